@@ -1,0 +1,177 @@
+"""A preallocated, slot-indexed key/value cache and the batch descriptions that write into it.
+
+Every running sequence owns one *slot* (a row of the cache) for its lifetime. A forward pass writes the new
+tokens' keys and values at explicit positions of their slots and attends through an explicit mask, so the same
+cache serves prefill, batched chain verification with ragged lengths, draft trees, and rollback: rejecting draft
+tokens is just lowering the sequence's length (positions past it are dead and get overwritten), and keeping a
+tree path is a gather of its positions (:meth:`KVCache.compact`).
+
+The cache is handed to a transformers model as its ``cache`` argument; transformers' attention layers call
+:meth:`KVCache.update` with the new keys/values of one layer and attend over what it returns (this is the only
+method of ``transformers.Cache`` that Llama-family attention uses). No modeling code is copied.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+class KVCache:
+    """Per-layer tensors ``[num_slots, num_kv_heads, capacity, head_dim]``, grown on demand up to ``max_len``.
+
+    Args:
+        num_layers: layers of the model this cache serves.
+        num_slots: concurrent sequences.
+        num_kv_heads, head_dim: attention geometry.
+        max_len: the most positions a slot can ever hold (tokens of the longest sequence plus draft positions).
+        dtype, device: of the keys/values (the model's).
+        initial_capacity: positions allocated at first; doubled when a forward needs more.
+
+    Raises:
+        ValueError: a forward needs more than ``max_len`` positions.
+    """
+
+    is_compileable = False
+
+    def __init__(self, num_layers: int, num_slots: int, num_kv_heads: int, head_dim: int, max_len: int,
+                 dtype: torch.dtype, device: torch.device | str, initial_capacity: int = 256):
+        self.num_layers = num_layers
+        self.num_slots = num_slots
+        self.max_len = max_len
+        self.capacity = min(initial_capacity, max_len)
+        shape = (num_slots, num_kv_heads, self.capacity, head_dim)
+        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self._batch: ForwardBatch | None = None
+
+    def reserve(self, needed: int) -> None:
+        """Make every slot hold at least ``needed`` positions (doubling), keeping the contents."""
+        if needed <= self.capacity:
+            return
+        if needed > self.max_len:
+            raise ValueError(f"a forward needs {needed} cache positions but max_len is {self.max_len}")
+        new_cap = self.capacity
+        while new_cap < needed:
+            new_cap *= 2
+        new_cap = min(new_cap, self.max_len)
+        for layer in range(self.num_layers):
+            for store in (self.keys, self.values):
+                old = store[layer]
+                new = old.new_zeros(old.shape[0], old.shape[1], new_cap, old.shape[3])
+                new[:, :, : self.capacity] = old
+                store[layer] = new
+        self.capacity = new_cap
+
+    def bind(self, batch: ForwardBatch) -> KVCache:
+        """Set the batch the next forward belongs to (slots, write positions, attended length)."""
+        self.reserve(max(batch.kv_len, batch.max_write_position + 1))
+        self._batch = batch
+        return self
+
+    # transformers' Cache interface (the part Llama-family attention uses)
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        """Write ``[B, kv_heads, n, head_dim]`` keys/values at the bound positions; return the attended range
+        ``[B, kv_heads, kv_len, head_dim]`` of the bound slots."""
+        b = self._batch
+        k_store, v_store = self.keys[layer_idx], self.values[layer_idx]
+        if b.contiguous_write is not None:  # one row writing one contiguous run: plain slice copies
+            slot, start = b.contiguous_write
+            n = key_states.shape[2]
+            k_store[slot, :, start : start + n].copy_(key_states[0])
+            v_store[slot, :, start : start + n].copy_(value_states[0])
+        else:
+            heads = torch.arange(k_store.shape[1], device=k_store.device)
+            index = (b.slots[:, None, None], heads[None, :, None], b.write_positions[:, None, :])
+            k_store.index_put_(index, key_states)
+            v_store.index_put_(index, value_states)
+        if b.slot_range is not None:
+            lo, hi = b.slot_range
+            return k_store[lo:hi, :, : b.kv_len], v_store[lo:hi, :, : b.kv_len]
+        return k_store[b.slots, :, : b.kv_len], v_store[b.slots, :, : b.kv_len]
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self._batch.kv_len if self._batch is not None else 0
+
+    # cache maintenance
+    def compact(self, slot: int, src_positions: torch.Tensor, dst_start: int) -> None:
+        """Move positions ``src_positions`` (int64 [m], ascending) of ``slot`` to ``dst_start .. dst_start+m-1``
+        (keeping an accepted tree path)."""
+        m = src_positions.numel()
+        for store in (*self.keys, *self.values):
+            store[slot, :, dst_start : dst_start + m] = store[slot, :, src_positions]
+
+    def copy_slot(self, src: int, dst: int, length: int) -> None:
+        """Copy the first ``length`` positions of slot ``src`` into slot ``dst``."""
+        for store in (*self.keys, *self.values):
+            store[dst, :, :length] = store[src, :, :length]
+
+
+@dataclass
+class ForwardBatch:
+    """One forward's worth of new tokens for B slots, padded to n per row.
+
+    Attributes:
+        input_ids: int64 [B, n].
+        position_ids: int64 [B, n], the rotary positions.
+        slots: int64 [B], the cache rows.
+        write_positions: int64 [B, n], where each token's key/value is stored in its slot.
+        attn_mask: [B, 1, n, kv_len] additive float mask (0 visible, dtype min hidden) in the model's dtype.
+        kv_len: cache positions attended (a prefix of every slot).
+        slot_range: (lo, hi) when ``slots`` is ``lo..hi-1`` ascending, so reads are views, not gathers.
+        contiguous_write: (slot, start) when B == 1 and the row writes ``start .. start+n-1``.
+        num_tokens: real (unpadded) tokens per row, python ints.
+    """
+
+    input_ids: torch.Tensor
+    position_ids: torch.Tensor
+    slots: torch.Tensor
+    write_positions: torch.Tensor
+    attn_mask: torch.Tensor
+    kv_len: int
+    slot_range: tuple[int, int] | None
+    contiguous_write: tuple[int, int] | None
+    num_tokens: list[int]
+
+    @property
+    def max_write_position(self) -> int:
+        return int(self.write_positions.max())
+
+    @classmethod
+    def causal(cls, tokens: list[list[int]], slots: list[int], starts: list[int], dtype: torch.dtype,
+               device: torch.device | str, pad_id: int = 0) -> ForwardBatch:
+        """New tokens ``tokens[b]`` for slot ``slots[b]`` whose first ``starts[b]`` positions are cached.
+
+        Token i of row b sits at position ``starts[b] + i`` and sees positions ``0 .. starts[b] + i``. Rows are
+        right-padded to the longest; pad tokens continue their row causally (finite values, never attended by a
+        real token) and write past the row's real tokens, where nothing live is stored.
+        """
+        num = [len(t) for t in tokens]
+        n = max(num)
+        ids = torch.full((len(tokens), n), pad_id, dtype=torch.long)
+        for row, t in enumerate(tokens):
+            ids[row, : len(t)] = torch.as_tensor(t, dtype=torch.long)
+        start = torch.as_tensor(starts, dtype=torch.long)
+        positions = start[:, None] + torch.arange(n)[None, :]
+        kv_len = int(positions.max()) + 1
+        visible = torch.arange(kv_len)[None, None, :] <= positions[:, :, None]
+        return cls.build(ids, positions, positions, slots, visible, dtype, device, num)
+
+    @classmethod
+    def build(cls, input_ids: torch.Tensor, position_ids: torch.Tensor, write_positions: torch.Tensor,
+              slots: list[int], visible: torch.Tensor, dtype: torch.dtype, device: torch.device | str,
+              num_tokens: list[int]) -> ForwardBatch:
+        """General constructor from a boolean visibility ``[B, n, kv_len]`` (True = may attend)."""
+        kv_len = visible.shape[-1]
+        mask = torch.zeros(visible.shape, dtype=dtype).masked_fill_(~visible, torch.finfo(dtype).min)
+        slot_t = torch.as_tensor(slots, dtype=torch.long)
+        lo = slots[0]
+        slot_range = (lo, lo + len(slots)) if list(slots) == list(range(lo, lo + len(slots))) else None
+        contiguous = None
+        if len(slots) == 1:
+            w = write_positions[0]
+            if bool((w == w[0] + torch.arange(w.numel())).all()):
+                contiguous = (slots[0], int(w[0]))
+        return cls(input_ids.to(device), position_ids.to(device), slot_t.to(device), write_positions.to(device),
+                   mask[:, None].to(device), kv_len, slot_range, contiguous, list(num_tokens))

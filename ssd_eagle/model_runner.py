@@ -1,0 +1,134 @@
+"""Runs a transformers causal LM (the target, or a draft LM) over new tokens with a :class:`KVCache`.
+
+The model is used as transformers builds it: its decoder body is called with our cache and a prepared 4-D mask,
+and its output embedding is applied only at the positions whose logits are needed (on SmolLM2 the output layer
+alone costs about as much as the whole body for one token). The EAGLE-3 aux hidden states are read with forward
+pre-hooks on the decoder layers, in the layer-id convention of ``NOTES.md`` section 2:
+
+    id i = the residual stream at the *input* of decoder layer i = ``hidden_states[i]`` of transformers'
+    ``output_hidden_states`` (``hidden_states[0]`` is the embedding output, ``hidden_states[L]`` for an L-layer
+    model the final-normed output). The default ids for an L-layer target are ``(2, L // 2, L - 3)``.
+
+This is also vLLM's convention for ``eagle_aux_hidden_state_layer_ids``.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ssd_eagle.kv_cache import ForwardBatch, KVCache
+
+
+def default_aux_layer_ids(num_layers: int) -> tuple[int, int, int]:
+    """EAGLE-3's (low, mid, high) capture points for an L-layer target, input-of-layer convention.
+
+    ``(2, L//2, L-3)`` when those are strictly increasing (L >= 7); for shallower models ``(0, L//2, L)``, which
+    stays distinct and non-negative down to L = 2.
+
+    Raises:
+        ValueError: L < 2.
+    """
+    if num_layers < 2:
+        raise ValueError(f"an EAGLE-3 target needs at least 2 layers, got {num_layers}")
+    ids = (2, num_layers // 2, num_layers - 3)
+    if ids[0] < ids[1] < ids[2]:
+        return ids
+    return (0, num_layers // 2, num_layers)
+
+
+@dataclass
+class RunnerOutput:
+    """What one forward returns.
+
+    Attributes:
+        logits: float [B, m, V] at the requested positions (m = n when all were requested).
+        aux_hidden: float [B, n, 3 * H] (low, mid, high concatenated) or None when not requested.
+        hidden: float [B, n, H], the body's final-normed hidden states.
+    """
+
+    logits: torch.Tensor | None
+    aux_hidden: torch.Tensor | None
+    hidden: torch.Tensor
+
+
+class ModelRunner:
+    """Owns a causal LM and its :class:`KVCache`.
+
+    Args:
+        model: a transformers ``*ForCausalLM`` (Llama family, or any whose attention calls ``cache.update``).
+        num_slots: concurrent sequences.
+        max_len: positions per slot (sequence length plus draft/tree positions).
+        aux_layer_ids: capture these aux hidden states when a forward asks for them (None: no hooks).
+    """
+
+    def __init__(self, model: nn.Module, num_slots: int, max_len: int,
+                 aux_layer_ids: tuple[int, ...] | None = None, initial_capacity: int = 256):
+        self.model = model.eval()
+        self.config = model.config
+        self.body = model.get_decoder()
+        self.lm_head = model.get_output_embeddings()
+        param = next(model.parameters())
+        self.dtype, self.device = param.dtype, param.device
+        cfg = self.config.get_text_config()
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self.num_layers = cfg.num_hidden_layers
+        self.kv = KVCache(self.num_layers, num_slots, cfg.num_key_value_heads, head_dim, max_len,
+                          self.dtype, self.device, initial_capacity)
+        self._cache_kwarg = "cache" if "cache" in inspect.signature(self.body.forward).parameters \
+            else "past_key_values"
+        self.aux_layer_ids = tuple(aux_layer_ids) if aux_layer_ids is not None else None
+        self._captured: dict[int, torch.Tensor] | None = None
+        if self.aux_layer_ids is not None:
+            self._install_aux_hooks(self.aux_layer_ids)
+
+    def _install_aux_hooks(self, ids: tuple[int, ...]) -> None:
+        if len(set(ids)) != len(ids) or min(ids) < 0 or max(ids) > self.num_layers:
+            raise ValueError(f"aux_layer_ids must be distinct and in [0, {self.num_layers}], got {list(ids)}")
+        for layer_id in ids:
+            if layer_id == self.num_layers:
+                self.body.norm.register_forward_hook(self._make_hook(layer_id, output=True))
+            else:
+                self.body.layers[layer_id].register_forward_pre_hook(self._make_hook(layer_id), with_kwargs=True)
+
+    def _make_hook(self, layer_id: int, output: bool = False):
+        def pre_hook(module, args, kwargs):
+            if self._captured is not None:
+                self._captured[layer_id] = args[0] if args else kwargs["hidden_states"]
+
+        def post_hook(module, args, result):
+            if self._captured is not None:
+                self._captured[layer_id] = result
+        return post_hook if output else pre_hook
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch, logits_index: torch.Tensor | None = None,
+                capture_aux: bool = False, compute_logits: bool = True) -> RunnerOutput:
+        """Run the new tokens of ``batch``; their keys/values land in the cache.
+
+        Args:
+            batch: tokens, positions, slots and mask (see :class:`ForwardBatch`).
+            logits_index: int64 [B, m] positions (0..n-1) whose logits to compute; None = all n.
+            capture_aux: also return the aux hidden states (needs ``aux_layer_ids``).
+            compute_logits: False skips the output layer (e.g. prefill of a drafter that needs no logits).
+        """
+        if capture_aux and self.aux_layer_ids is None:
+            raise ValueError("capture_aux needs aux_layer_ids")
+        self._captured = {} if capture_aux else None
+        try:
+            out = self.body(input_ids=batch.input_ids, position_ids=batch.position_ids,
+                            attention_mask=batch.attn_mask, use_cache=True,
+                            **{self._cache_kwarg: self.kv.bind(batch)})
+            aux = torch.cat([self._captured[i] for i in self.aux_layer_ids], dim=-1) if capture_aux else None
+        finally:
+            self._captured = None
+        hidden = out.last_hidden_state
+        logits = None
+        if compute_logits:
+            selected = hidden if logits_index is None else hidden.gather(
+                1, logits_index[..., None].expand(-1, -1, hidden.shape[-1]))
+            logits = self.lm_head(selected)
+        return RunnerOutput(logits=logits, aux_hidden=aux, hidden=hidden)

@@ -1,0 +1,98 @@
+"""Turning logits into the distribution we sample from, and sampling from it with per-request generators.
+
+The same transformation (temperature, then top-k, then top-p on the top-k renormalised distribution, the order
+vLLM applies them) is applied to the target's logits (p) and to the draft's logits (q). Rejection sampling is
+lossless only when the q it tests with is the q the draft token was sampled from, so every drafter samples from
+the output of :func:`logits_to_probs` and hands those very probabilities to the verifier.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ssd_eagle.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class SamplingTensors:
+    """Per-row sampling parameters as tensors, for batched processing.
+
+    Attributes:
+        temperature: float [B]; greedy rows hold 1.0 (their probabilities are only used for logprobs).
+        top_k: int64 [B]; 0 disables.
+        top_p: float [B]; 1.0 disables.
+        needs_filter: whether any row uses top-k or top-p (skips a sort over the vocabulary when not).
+    """
+
+    temperature: torch.Tensor
+    top_k: torch.Tensor
+    top_p: torch.Tensor
+    needs_filter: bool
+
+    @classmethod
+    def from_params(cls, params: list[SamplingParams], device: torch.device | str = "cpu") -> SamplingTensors:
+        temperature = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in params], device=device)
+        top_k = torch.tensor([p.top_k for p in params], dtype=torch.long, device=device)
+        top_p = torch.tensor([p.top_p for p in params], device=device)
+        needs_filter = any(p.top_k > 0 or p.top_p < 1.0 for p in params)
+        return cls(temperature, top_k, top_p, needs_filter)
+
+
+def logits_to_probs(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
+    """Apply temperature, top-k and top-p, and return probabilities.
+
+    Args:
+        logits: float [B, ..., V] (any float dtype; computed in float32, or float64 if the logits are float64).
+        st: row parameters, each of shape [B].
+
+    Returns:
+        probs: [B, ..., V], each row sums to 1; tokens removed by top-k/top-p have probability exactly 0.
+    """
+    dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
+    extra = (1,) * (logits.dim() - 2)
+    x = logits.to(dtype) / st.temperature.to(dtype).view(-1, *extra, 1)
+    if st.needs_filter:
+        x = _filter_top_k_top_p(x, st.top_k.view(-1, *extra, 1), st.top_p.to(dtype).view(-1, *extra, 1))
+    return torch.softmax(x, dim=-1)
+
+
+def _filter_top_k_top_p(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    vocab = x.shape[-1]
+    sorted_x, order = x.sort(dim=-1, descending=True)
+    ranks = torch.arange(vocab, device=x.device)
+    k = torch.where(top_k > 0, top_k, torch.full_like(top_k, vocab))
+    sorted_x = sorted_x.masked_fill(ranks >= k, float("-inf"))
+    sorted_p = torch.softmax(sorted_x, dim=-1)
+    mass_before = sorted_p.cumsum(dim=-1) - sorted_p
+    sorted_x = sorted_x.masked_fill(mass_before >= top_p, float("-inf"))  # keeps the first token always
+    return torch.empty_like(x).scatter_(-1, order, sorted_x)
+
+
+def sample(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
+    """Draw one token per row, exactly from ``probs``, using each row's own generator.
+
+    Uses the exponential race ``argmax(probs / E)``, ``E ~ Exp(1)`` i.i.d., which is an exact sample from the
+    normalised ``probs`` and never picks a zero-probability token.
+
+    Args:
+        probs: float [B, V], non-negative, not necessarily normalised (a residual), each row with positive mass.
+        generators: B generators on ``probs.device`` (None: torch's default generator).
+
+    Returns:
+        int64 [B] token ids.
+    """
+    noise = torch.empty_like(probs)
+    for row, gen in enumerate(generators):
+        noise[row].exponential_(generator=gen)
+    noise.clamp_(min=torch.finfo(noise.dtype).tiny)  # an exact 0 would turn 0/0 into NaN, which argmax picks
+    return (probs / noise).argmax(dim=-1)
+
+
+def uniforms(shape_per_row: int, generators: list[torch.Generator | None], device, dtype) -> torch.Tensor:
+    """One row of ``shape_per_row`` U[0, 1) draws from each row's generator: [B, shape_per_row]."""
+    out = torch.empty(len(generators), shape_per_row, device=device, dtype=dtype)
+    for row, gen in enumerate(generators):
+        out[row].uniform_(generator=gen)
+    return out

@@ -1,0 +1,143 @@
+"""The vocabulary of speculative decoding, and the statistics kept in its terms.
+
+This docstring is the one definition of these terms for the whole project: code, logs, benchmark tables and
+the server's responses use them exactly as written here.
+
+- **target**: the model whose output we must reproduce (the verifier). **draft**: the cheap proposer (an n-gram
+  lookup, a small causal LM, or an EAGLE-3 head). **drafter**: the object that runs a draft for the engine.
+- **round**: one verification: the target runs one forward over ``[last token, d_1 .. d_K]`` and decides how many
+  of the K draft tokens to keep. Prefill is not a round. In autoregressive mode (K = 0) every decode step is a round.
+- **accepted length k**: the number of draft tokens the target accepts in a round, ``0 <= k <= K``.
+- **bonus token**: the one token the target itself emits after the accepted ones (its argmax at T=0, otherwise a
+  sample from p after full acceptance, or from the residual ``norm(max(p - q, 0))`` after a rejection). A round
+  therefore produces ``k + 1`` tokens.
+- **acceptance length tau**: the mean over rounds of ``k + 1``, counting only tokens that were emitted: when
+  ``max_tokens``, an EOS token or a stop string cuts a round short, that round counts the tokens it actually emitted.
+  Autoregressive decoding has tau = 1.
+- **acceptance rate a**: per draft token, accepted / proposed (in rounds that proposed at least one token).
+- **cache hit rate** (SSD): hits / lookups of the speculation cache, where a lookup is a round whose outcome
+  ``(k, bonus)`` was looked up; rounds without a lookup (the first round of a request, rounds after a fallback) are
+  not counted.
+- **fan-out F_k**: the number of bonus-token candidates the speculator pre-drafts for outcome "k accepted".
+- **speculation cache**: the speculator's map ``(sequence, k, bonus) -> next draft`` built while the target verifies.
+- **aux hidden states**: the target's residual stream at the input of three layers (low, mid, high) that feed an
+  EAGLE-3 head.
+
+Timing fields are seconds (float, ``time.perf_counter`` differences).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SpecStats:
+    """Counters of one request (or, after :meth:`merge`, of many).
+
+    Attributes:
+        num_rounds: rounds run (see module docstring).
+        num_emitted: tokens emitted by rounds (excludes the token sampled at prefill).
+        num_drafted: draft tokens proposed to the target.
+        num_accepted: draft tokens accepted by the target (before any cut by stop conditions).
+        accepted_lengths: k of every round, in order.
+        cache_lookups / cache_hits: SSD speculation cache lookups and hits.
+        hits_per_k / lookups_per_k: the same split by the looked-up accepted length k.
+        verify_time: seconds spent in target forwards + verification.
+        draft_time: seconds the verifier spent obtaining drafts (drafting, or waiting for the speculator).
+        prefill_time: seconds spent in prefill.
+    """
+
+    num_rounds: int = 0
+    num_emitted: int = 0
+    num_drafted: int = 0
+    num_accepted: int = 0
+    accepted_lengths: list[int] = field(default_factory=list)
+    cache_lookups: int = 0
+    cache_hits: int = 0
+    lookups_per_k: dict[int, int] = field(default_factory=dict)
+    hits_per_k: dict[int, int] = field(default_factory=dict)
+    emitted_on_hit: int = 0
+    rounds_on_hit: int = 0
+    emitted_on_miss: int = 0
+    rounds_on_miss: int = 0
+    fallback_rounds: int = 0
+    verify_time: float = 0.0
+    draft_time: float = 0.0
+    prefill_time: float = 0.0
+
+    def record_round(self, num_drafted: int, num_accepted: int, num_emitted: int) -> None:
+        """Record one round: ``num_drafted`` proposed, ``num_accepted`` accepted (k), ``num_emitted`` emitted."""
+        self.num_rounds += 1
+        self.num_drafted += num_drafted
+        self.num_accepted += num_accepted
+        self.num_emitted += num_emitted
+        self.accepted_lengths.append(num_accepted)
+
+    def record_lookup(self, k: int, hit: bool, num_emitted: int) -> None:
+        """Record one speculation cache lookup for accepted length ``k`` and the tokens the round then emitted."""
+        self.cache_lookups += 1
+        self.lookups_per_k[k] = self.lookups_per_k.get(k, 0) + 1
+        if hit:
+            self.cache_hits += 1
+            self.hits_per_k[k] = self.hits_per_k.get(k, 0) + 1
+            self.emitted_on_hit += num_emitted
+            self.rounds_on_hit += 1
+        else:
+            self.emitted_on_miss += num_emitted
+            self.rounds_on_miss += 1
+
+    @property
+    def tau(self) -> float:
+        """Acceptance length: mean emitted tokens per round (0.0 before the first round)."""
+        return self.num_emitted / self.num_rounds if self.num_rounds else 0.0
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Per-token acceptance rate a (0.0 when nothing was drafted)."""
+        return self.num_accepted / self.num_drafted if self.num_drafted else 0.0
+
+    @property
+    def cache_hit_rate(self) -> float | None:
+        """Speculation cache hits / lookups, or None when there was no lookup."""
+        return self.cache_hits / self.cache_lookups if self.cache_lookups else None
+
+    @property
+    def tau_on_hit(self) -> float | None:
+        return self.emitted_on_hit / self.rounds_on_hit if self.rounds_on_hit else None
+
+    @property
+    def tau_on_miss(self) -> float | None:
+        return self.emitted_on_miss / self.rounds_on_miss if self.rounds_on_miss else None
+
+    def merge(self, other: SpecStats) -> SpecStats:
+        """Add ``other``'s counters into this one (in place) and return self."""
+        for name in ("num_rounds", "num_emitted", "num_drafted", "num_accepted", "cache_lookups", "cache_hits",
+                     "emitted_on_hit", "rounds_on_hit", "emitted_on_miss", "rounds_on_miss", "fallback_rounds",
+                     "verify_time", "draft_time", "prefill_time"):
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+        self.accepted_lengths.extend(other.accepted_lengths)
+        for mine, theirs in ((self.lookups_per_k, other.lookups_per_k), (self.hits_per_k, other.hits_per_k)):
+            for k, v in theirs.items():
+                mine[k] = mine.get(k, 0) + v
+        return self
+
+    def summary(self) -> dict:
+        """A JSON-ready dict of the headline figures (the server's ``spec_stats`` field)."""
+        out = {
+            "rounds": self.num_rounds,
+            "emitted_tokens": self.num_emitted,
+            "drafted_tokens": self.num_drafted,
+            "accepted_tokens": self.num_accepted,
+            "tau": round(self.tau, 4),
+            "acceptance_rate": round(self.acceptance_rate, 4),
+        }
+        if self.cache_lookups:
+            out["cache_hit_rate"] = round(self.cache_hits / self.cache_lookups, 4)
+            out["cache_lookups"] = self.cache_lookups
+            out["cache_hit_rate_per_k"] = {
+                k: round(self.hits_per_k.get(k, 0) / n, 4) for k, n in sorted(self.lookups_per_k.items())
+            }
+        if self.fallback_rounds:
+            out["fallback_rounds"] = self.fallback_rounds
+        return out

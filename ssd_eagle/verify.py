@@ -1,0 +1,123 @@
+"""Verification of a chain of draft tokens: greedy acceptance and lossless rejection sampling.
+
+Pure functions over batched tensors. Row ``b`` proposes ``num_draft[b] <= K`` tokens ``d_1..d_{num_draft}``; the
+target scored ``[last, d_1, .., d_K]`` so ``p[b, i]`` is its distribution for the token after ``d_i`` (``d_0`` =
+the last committed token). Each function returns ``(k, bonus)``: the accepted length k (int64 [B]) and the
+bonus token (int64 [B]) the target emits after the k accepted tokens.
+
+Rejection sampling (Leviathan et al. 2023, Chen et al. 2023): accept ``d_i`` with probability
+``min(1, p_i(d_i) / q_i(d_i))``; at the first rejection sample the bonus from the residual
+``norm(max(p_i - q_i, 0))``; after full acceptance sample it from ``p_K``. The output law is p's whatever q is, as
+long as ``d_i`` was drawn from exactly this ``q_i``. A deterministic proposal (n-gram lookup, a greedy draft at
+T=0 verified at T>0) is the point mass ``q_i = delta(d_i)``: pass ``q=None``.
+
+Saguaro sampling (SSD paper, Sec. 4.2): the speculator scales the draft probabilities of its top-(F+1) tokens by
+``C in (0, 1]`` and renormalises, so that after a rejection the residual's mass concentrates on the tokens the
+speculator cached. :func:`saguaro_scale` is that map; the drafter samples from its output and the verifier tests
+with the same tensor, which keeps the scheme lossless for every C and F.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ssd_eagle.sampling import sample, uniforms
+
+
+def greedy_verify(
+    target_logits: torch.Tensor, draft_tokens: torch.Tensor, num_draft: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Accept the longest prefix of drafts equal to the target's argmax.
+
+    Args:
+        target_logits: [B, K+1, V] (or [B, K+1] precomputed argmax ids, int64).
+        draft_tokens: int64 [B, K] (entries past ``num_draft`` are ignored).
+        num_draft: int64 [B], proposals per row, ``0 <= num_draft <= K``.
+
+    Returns:
+        (k, bonus): int64 [B] each; ``bonus`` is the target's argmax after the k accepted tokens.
+    """
+    target_ids = target_logits if target_logits.dim() == 2 else target_logits.argmax(dim=-1)
+    K = draft_tokens.shape[1]
+    valid = torch.arange(K, device=draft_tokens.device) < num_draft[:, None]
+    match = (target_ids[:, :K] == draft_tokens) & valid
+    k = match.to(torch.long).cumprod(dim=1).sum(dim=1)
+    bonus = target_ids.gather(1, k[:, None]).squeeze(1)
+    return k, bonus
+
+
+def rejection_verify(
+    p: torch.Tensor,
+    q: torch.Tensor | None,
+    draft_tokens: torch.Tensor,
+    num_draft: torch.Tensor,
+    generators: list[torch.Generator | None],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Lossless speculative sampling for a chain.
+
+    Args:
+        p: target probabilities [B, K+1, V] (after temperature/top-k/top-p).
+        q: draft probabilities [B, K, V] the drafts were sampled from (same processing, Saguaro scaling included),
+            or None for deterministic proposals (point masses).
+        draft_tokens: int64 [B, K].
+        num_draft: int64 [B], ``0 <= num_draft <= K``.
+        generators: one per row; the row draws K uniforms and one categorical sample per round from it.
+
+    Returns:
+        (k, bonus): int64 [B] each.
+    """
+    B, K = draft_tokens.shape
+    device = p.device
+    pos = torch.arange(K, device=device)
+    valid = pos < num_draft[:, None]
+    u = uniforms(K, generators, device, p.dtype) if K else p.new_zeros(B, 0)
+    p_x = p[:, :K].gather(-1, draft_tokens[..., None]).squeeze(-1)
+    q_x = torch.ones_like(p_x) if q is None else q.gather(-1, draft_tokens[..., None]).squeeze(-1)
+    accept = (u * q_x < p_x) & valid
+    k = accept.to(torch.long).cumprod(dim=1).sum(dim=1)
+
+    rows = torch.arange(B, device=device)
+    p_k = p[rows, k]  # [B, V]
+    rejected = k < num_draft
+    if q is None:
+        residual = p_k.clone()
+        rejected_rows = rows[rejected]
+        residual[rejected_rows, draft_tokens[rejected_rows, k[rejected_rows]]] = 0.0
+    else:
+        q_k = q[rows, k.clamp(max=max(K - 1, 0))] if K else torch.zeros_like(p_k)
+        residual = torch.where(rejected[:, None], (p_k - q_k).clamp_(min=0.0), p_k)
+    empty = residual.sum(dim=-1) <= 0  # p == q exactly at the rejected position: measure zero, fall back to p
+    if empty.any():
+        residual[empty] = p_k[empty]
+    bonus = sample(residual, generators)
+    return k, bonus
+
+
+def saguaro_scale(q: torch.Tensor, C: float, fanout: int | torch.Tensor) -> torch.Tensor:
+    """Saguaro sampling's draft distribution: scale the top-(F+1) probabilities by C and renormalise.
+
+    Args:
+        q: draft probabilities [..., V].
+        C: scale in (0, 1]; 1 returns q unchanged.
+        fanout: F, an int or an int64 tensor broadcastable to ``q.shape[:-1]`` (per-position F_k); the top
+            ``F + 1`` tokens of each row (ties broken by ``torch.topk``) are scaled.
+
+    Returns:
+        A new tensor like q, rows summing to 1.
+
+    Raises:
+        ValueError: C outside (0, 1] or a negative fan-out.
+    """
+    if not 0.0 < C <= 1.0:
+        raise ValueError(f"saguaro C must be in (0, 1], got {C}")
+    fan = torch.as_tensor(fanout, device=q.device)
+    if (fan < 0).any():
+        raise ValueError(f"fan-out must be >= 0, got {fanout}")
+    if C == 1.0:
+        return q.clone()
+    m = min(int(fan.max()) + 1, q.shape[-1])
+    top_idx = q.topk(m, dim=-1).indices
+    in_top = torch.arange(m, device=q.device) < (fan + 1).expand(q.shape[:-1])[..., None]
+    scale = torch.ones_like(q).scatter_(-1, top_idx, torch.where(in_top, C, 1.0).to(q.dtype))
+    scaled = q * scale
+    return scaled / scaled.sum(dim=-1, keepdim=True)
