@@ -1,0 +1,35 @@
+"""Drafters: n-gram prompt lookup, a draft causal LM, and the EAGLE-3 head (see :mod:`ssd_eagle.drafters.base`)."""
+
+from __future__ import annotations
+
+from ssd_eagle.drafters.base import Drafter, Proposal, SaguaroSampling
+from ssd_eagle.drafters.draft_model import DraftModelDrafter
+from ssd_eagle.drafters.ngram import NgramDrafter
+
+__all__ = ["Drafter", "Proposal", "SaguaroSampling", "NgramDrafter", "DraftModelDrafter", "build_drafter"]
+
+
+def build_drafter(spec, target_model, num_slots: int, max_len: int) -> Drafter:
+    """Build the drafter a :class:`~ssd_eagle.config.SpeculativeConfig` describes, next to ``target_model``.
+
+    The draft runs in the target's dtype and on its device (SSD puts it elsewhere; see :mod:`ssd_eagle.ssd`).
+
+    Raises:
+        ValueError: the draft does not fit the target (vocabulary, sizes, layer ids, rope, max positions).
+        FileNotFoundError: the draft model cannot be found.
+    """
+    saguaro = SaguaroSampling(spec.saguaro_c, tuple(spec.fanout)) if spec.saguaro_c < 1.0 else None
+    if spec.method == "ngram":
+        return NgramDrafter(spec.prompt_lookup_min, spec.prompt_lookup_max)
+    param = next(target_model.parameters())
+    if spec.method == "draft_model":
+        from ssd_eagle.assets import load_model
+
+        model, _ = load_model(spec.model, dtype=param.dtype, device=param.device)
+        return DraftModelDrafter(model, target_model.config.get_text_config().vocab_size, num_slots, max_len,
+                                 saguaro)
+    if spec.method == "eagle3":
+        from ssd_eagle.drafters.eagle3 import Eagle3Drafter
+
+        return Eagle3Drafter.from_pretrained(spec.model, target_model, num_slots, max_len, saguaro)
+    raise ValueError(f"unknown speculative method {spec.method!r}")

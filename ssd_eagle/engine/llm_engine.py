@@ -1,0 +1,293 @@
+"""The step-based decoding engine: requests in, rounds of draft-then-verify, outputs out.
+
+``add_request`` queues a request; each ``step`` admits waiting requests into free cache slots (prefill, which
+samples the first token), then runs one round for every running request together: the drafter proposes up to K
+tokens per request, the target scores ``[last token, drafts]`` of all rows in one batched forward, and
+verification keeps the longest acceptable prefix plus a bonus token (:mod:`ssd_eagle.verify`). Autoregressive
+decoding is the same loop with no drafter (K = 0). Stopping rules are applied token by token, so nothing past an
+EOS, a stop string, ``max_tokens`` or ``max_model_len`` is ever emitted, even inside an accepted block.
+
+Greedy rows are verified by argmax match, sampled rows by rejection sampling with the exact q the drafter sampled
+from; one batch may mix them. Every sequence carries its own random generators, so a seeded request reproduces
+its output regardless of what else is in the batch.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections import deque
+
+import torch
+
+from ssd_eagle.drafters.base import Drafter, Proposal
+from ssd_eagle.engine.detokenizer import IncrementalDetokenizer
+from ssd_eagle.engine.sequence import (CompletionOutput, RequestOutput, Sequence, SequenceStatus,
+                                       TokenLogprob)
+from ssd_eagle.kv_cache import ForwardBatch
+from ssd_eagle.model_runner import ModelRunner
+from ssd_eagle.sampling import SamplingTensors, logits_to_probs, sample
+from ssd_eagle.sampling_params import SamplingParams
+from ssd_eagle.stats import SpecStats
+from ssd_eagle.verify import greedy_verify, rejection_verify
+
+
+class LLMEngine:
+    """Decodes many requests together with an optional drafter.
+
+    Args:
+        model: the target transformers causal LM (already on its device, in its dtype).
+        tokenizer: the target's tokenizer.
+        drafter: a :class:`Drafter`, or None for autoregressive decoding.
+        num_speculative_tokens: K, most draft tokens per round (ignored without a drafter).
+        max_num_seqs: requests decoded together.
+        max_model_len: longest prompt + output (default: the target's ``max_position_embeddings``).
+        eos_token_ids: ids that end a request (default: the model's generation config and tokenizer EOS ids).
+        seed: seeds the generators of requests that bring no seed.
+        prefill_chunk: prompt tokens per prefill forward.
+    """
+
+    def __init__(self, model, tokenizer, drafter: Drafter | None = None, num_speculative_tokens: int = 5,
+                 max_num_seqs: int = 8, max_model_len: int | None = None, eos_token_ids: set[int] | None = None,
+                 seed: int = 0, prefill_chunk: int = 512):
+        from ssd_eagle.assets import eos_token_ids as model_eos_ids
+
+        self.tokenizer = tokenizer
+        self.drafter = drafter
+        self.K = num_speculative_tokens if drafter is not None else 0
+        cfg = model.config.get_text_config()
+        self.vocab_size = cfg.vocab_size
+        self.max_model_len = max_model_len or cfg.max_position_embeddings
+        self.max_num_seqs = max_num_seqs
+        self.eos_token_ids = set(eos_token_ids) if eos_token_ids is not None else model_eos_ids(model, tokenizer)
+        aux_ids = getattr(drafter, "aux_layer_ids", None) if drafter is not None and drafter.needs_aux_hidden \
+            else None
+        self.target = ModelRunner(model, max_num_seqs, self.max_model_len + self.K + 1, aux_ids)
+        self.needs_aux = aux_ids is not None
+        self.prefill_chunk = prefill_chunk
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+        self._rng = random.Random(seed)
+        self._free_slots = list(range(max_num_seqs - 1, -1, -1))  # pop() hands out the lowest slot first
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.requests: dict[str, Sequence] = {}
+        self.stats = SpecStats()  # aggregate over all rounds (times counted once per batched round)
+
+    # public API
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None) -> None:
+        """Queue a request. ``prompt`` is text (tokenized with the tokenizer's special tokens) or token ids.
+
+        Raises:
+            ValueError: duplicate ``request_id``, empty ``prompt``, token ids out of the vocabulary, or
+                ``prompt`` tokens + ``max_tokens`` over ``max_model_len``.
+        """
+        params = params or SamplingParams()
+        if request_id in self.requests:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        if isinstance(prompt, str):
+            text, ids = prompt, self.tokenizer(prompt).input_ids
+        else:
+            text, ids = None, [int(t) for t in prompt]
+            if any(not 0 <= t < self.vocab_size for t in ids):
+                raise ValueError(f"prompt token ids must be in [0, {self.vocab_size})")
+        if not ids:
+            raise ValueError("prompt must not be empty")
+        if len(ids) + params.max_tokens > self.max_model_len:
+            raise ValueError(f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds "
+                             f"max_model_len ({self.max_model_len})")
+        seed = params.seed if params.seed is not None else self._rng.randrange(2**62)
+        device = self.target.device
+        seq = Sequence(
+            request_id=request_id, prompt=text, token_ids=list(ids), num_prompt_tokens=len(ids), params=params,
+            generator=torch.Generator(device).manual_seed(seed),
+            draft_generator=torch.Generator(device).manual_seed(seed ^ 0x5DEECE66D),
+            detokenizer=IncrementalDetokenizer(self.tokenizer, ids, params.stop, params.include_stop_str_in_output,
+                                               params.skip_special_tokens),
+            logprobs=[] if params.logprobs is not None else None,
+        )
+        self.requests[request_id] = seq
+        self.waiting.append(seq)
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request now; its slot is freed and it is reported no more. Unknown ids are ignored."""
+        seq = self.requests.get(request_id)
+        if seq is None:
+            return
+        if seq.status is SequenceStatus.WAITING:
+            self.waiting.remove(seq)
+        seq.finish_reason = "abort"
+        seq.status = SequenceStatus.FINISHED
+        self._release(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def step(self) -> list[RequestOutput]:
+        """Admit waiting requests, run one round for all running ones, and report every request that advanced."""
+        touched = self._admit()
+        live = [s for s in self.running if not s.finished]
+        if live:
+            self._round(live)
+            touched.extend(live)
+        outputs = [self._report(seq) for seq in touched]
+        for seq in touched:
+            if seq.finished:
+                self._release(seq)
+        return outputs
+
+    # scheduling
+    def _admit(self) -> list[Sequence]:
+        admitted = []
+        while self.waiting and self._free_slots:
+            seq = self.waiting.popleft()
+            seq.slot = self._free_slots.pop()
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            self._prefill(seq)
+            admitted.append(seq)
+        return admitted
+
+    def _release(self, seq: Sequence) -> None:
+        if seq in self.running:
+            self.running.remove(seq)
+            if self.drafter is not None:
+                self.drafter.remove_sequence(seq)
+            self._free_slots.append(seq.slot)
+            self._free_slots.sort(reverse=True)
+            seq.slot = -1
+        self.requests.pop(seq.request_id, None)
+
+    # model work
+    def _prefill(self, seq: Sequence) -> None:
+        start = time.perf_counter()
+        prompt = seq.token_ids
+        aux_chunks = []
+        for lo in range(0, len(prompt), self.prefill_chunk):
+            chunk = prompt[lo: lo + self.prefill_chunk]
+            last = lo + len(chunk) == len(prompt)
+            batch = ForwardBatch.causal([chunk], [seq.slot], [lo], self.target.dtype, self.target.device)
+            index = torch.tensor([[len(chunk) - 1]], device=self.target.device)
+            out = self.target.forward(batch, logits_index=index, capture_aux=self.needs_aux, compute_logits=last)
+            if self.needs_aux:
+                aux_chunks.append(out.aux_hidden[0])
+        seq.num_cached = len(prompt)
+        logits = out.logits[:, 0]  # [1, V]
+        if seq.params.greedy:
+            token = int(logits.argmax(dim=-1))
+        else:
+            probs = logits_to_probs(logits, SamplingTensors.from_params([seq.params], logits.device))
+            token = int(sample(probs, [seq.generator]))
+        self._append(seq, [token], logits)
+        if not seq.finished and self.drafter is not None:
+            self.drafter.add_sequence(seq, torch.cat(aux_chunks) if self.needs_aux else None)
+        seq.stats.prefill_time += time.perf_counter() - start
+
+    def _draft_budget(self, seq: Sequence) -> int:
+        room = min(seq.params.max_tokens - seq.num_output_tokens, self.max_model_len - len(seq.token_ids))
+        return max(0, min(self.K, room - 1))
+
+    def _round(self, seqs: list[Sequence]) -> None:
+        t0 = time.perf_counter()
+        budgets = [self._draft_budget(s) for s in seqs]
+        if self.drafter is not None and any(budgets):
+            proposals = self.drafter.propose(seqs, budgets)
+        else:
+            proposals = [Proposal([]) for _ in seqs]
+        for p, budget in zip(proposals, budgets):
+            if len(p.tokens) > budget:
+                raise RuntimeError(f"drafter proposed {len(p.tokens)} tokens, budget was {budget}")
+        t1 = time.perf_counter()
+        inputs = [[s.token_ids[-1]] + p.tokens for s, p in zip(seqs, proposals)]
+        batch = ForwardBatch.causal(inputs, [s.slot for s in seqs], [s.num_cached for s in seqs],
+                                    self.target.dtype, self.target.device, self.pad_id)
+        out = self.target.forward(batch, capture_aux=self.needs_aux)
+        accepted, bonus = self._verify(seqs, proposals, out.logits)
+        t2 = time.perf_counter()
+        self.stats.draft_time += t1 - t0
+        self.stats.verify_time += t2 - t1
+        for row, (seq, p) in enumerate(zip(seqs, proposals)):
+            k = int(accepted[row])
+            emitted = self._append(seq, p.tokens[:k] + [int(bonus[row])], out.logits[row, : k + 1])
+            seq.num_cached += k + 1
+            for stats in (seq.stats, self.stats):
+                stats.record_round(len(p.tokens), k, emitted)
+                if p.cache_hit is not None:
+                    stats.record_lookup(p.lookup_k, p.cache_hit, emitted)
+            seq.stats.draft_time += t1 - t0
+            seq.stats.verify_time += t2 - t1
+            if not seq.finished and self.drafter is not None:
+                self.drafter.on_verified(seq, k, out.aux_hidden[row, : k + 1] if self.needs_aux else None)
+
+    def _verify(self, seqs: list[Sequence], proposals: list[Proposal],
+                logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        B, n = logits.shape[:2]
+        device = logits.device
+        drafts = torch.zeros(B, n - 1, dtype=torch.long)
+        for row, p in enumerate(proposals):
+            drafts[row, : len(p.tokens)] = torch.tensor(p.tokens, dtype=torch.long)
+        drafts = drafts.to(device)
+        num_draft = torch.tensor([len(p.tokens) for p in proposals], device=device)
+        accepted = torch.zeros(B, dtype=torch.long, device=device)
+        bonus = torch.zeros(B, dtype=torch.long, device=device)
+        greedy = [i for i, s in enumerate(seqs) if s.params.greedy]
+        sampled = [i for i, s in enumerate(seqs) if not s.params.greedy]
+        if greedy:
+            accepted[greedy], bonus[greedy] = greedy_verify(logits[greedy], drafts[greedy], num_draft[greedy])
+        if sampled:
+            p = logits_to_probs(logits[sampled], SamplingTensors.from_params([seqs[i].params for i in sampled],
+                                                                             device))
+            q = None
+            if any(proposals[i].q is not None for i in sampled):
+                q = torch.zeros(len(sampled), n - 1, p.shape[-1], dtype=p.dtype, device=device)
+                for j, i in enumerate(sampled):
+                    prop = proposals[i]
+                    if prop.q is not None:
+                        q[j, : len(prop.tokens)] = prop.q.to(p.dtype)
+                    elif prop.tokens:  # deterministic proposal: point masses
+                        q[j, torch.arange(len(prop.tokens)), drafts[i, : len(prop.tokens)]] = 1.0
+            accepted[sampled], bonus[sampled] = rejection_verify(
+                p, q, drafts[sampled], num_draft[sampled], [seqs[i].generator for i in sampled])
+        return accepted.cpu(), bonus.cpu()
+
+    # bookkeeping
+    def _append(self, seq: Sequence, tokens: list[int], logits: torch.Tensor) -> int:
+        """Emit ``tokens`` one by one, applying every stopping rule; returns how many were emitted."""
+        params = seq.params
+        logprobs = torch.log_softmax(logits.float(), dim=-1) if seq.logprobs is not None else None
+        for i, token in enumerate(tokens):
+            seq.token_ids.append(token)
+            if seq.first_token_time is None:
+                seq.first_token_time = time.monotonic()
+            if logprobs is not None:
+                top = logprobs[i].topk(params.logprobs) if params.logprobs else None
+                seq.logprobs.append(TokenLogprob(
+                    token, float(logprobs[i, token]),
+                    {int(t): float(v) for t, v in zip(top.indices, top.values)} if top is not None else {}))
+            if (token in self.eos_token_ids and not params.ignore_eos) or token in params.stop_token_ids:
+                self._finish(seq, "stop", token)
+            elif seq.detokenizer.add_token(token):
+                self._finish(seq, "stop", seq.detokenizer.stop_matched)
+            elif seq.num_output_tokens >= params.max_tokens or len(seq.token_ids) >= self.max_model_len:
+                self._finish(seq, "length", None)
+            if seq.finished:
+                return i + 1
+        return len(tokens)
+
+    def _finish(self, seq: Sequence, reason: str, stop_reason) -> None:
+        seq.detokenizer.flush()
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason, seq.stop_reason = reason, stop_reason
+        seq.finish_time = time.monotonic()
+
+    def _report(self, seq: Sequence) -> RequestOutput:
+        delta_ids = seq.token_ids[seq.num_prompt_tokens + seq.num_reported_tokens:]
+        seq.num_reported_tokens = seq.num_output_tokens
+        return RequestOutput(
+            request_id=seq.request_id, prompt=seq.prompt, prompt_token_ids=seq.token_ids[: seq.num_prompt_tokens],
+            outputs=[CompletionOutput(0, seq.detokenizer.text, seq.output_token_ids, seq.finish_reason,
+                                      seq.stop_reason, list(seq.logprobs) if seq.logprobs is not None else None)],
+            finished=seq.finished, delta_text=seq.detokenizer.next_delta(seq.finished), delta_token_ids=delta_ids,
+            stats=seq.stats,
+            metrics={"arrival_time": seq.arrival_time, "first_token_time": seq.first_token_time,
+                     "finish_time": seq.finish_time},
+        )

@@ -1,0 +1,481 @@
+"""The EAGLE-3 draft head (Li et al., "EAGLE-3: Scaling up Inference Acceleration of Large Language Models via
+Training-Time Test", arXiv 2503.01840), assembled from transformers' Llama modules (no modeling code copied).
+
+Per draft step (``NOTES.md`` section 1), with ``e = embed(token)`` from the target's frozen embeddings and ``h`` the
+fused target feature ``fc(concat(low, mid, high))`` on the first step, the head's own previous output afterwards::
+
+    x   = concat(input_layernorm(e), hidden_norm(h))          # [B, n, 2H]
+    h'  = h + o_proj(attention(q/k/v_proj(x)))                 # residual is h, not the embedding
+    out = h' + mlp(post_attention_layernorm(h'))               # fed back as the next step's h
+    logits = lm_head(norm(out))                                # [B, n, draft_vocab]
+
+Draft id ``i`` is target id ``i + d2t[i]``; ``t2d[v]`` says whether target id ``v`` is in the draft vocabulary
+(``NOTES.md`` section 3). The aux layer ids use the input-of-layer convention of ``NOTES.md`` section 2, the same
+as :mod:`ssd_eagle.model_runner` and vLLM.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass, field, fields
+
+import torch
+from torch import nn
+from transformers import LlamaConfig
+from transformers.models.llama.modeling_llama import (
+    LlamaAttention,
+    LlamaMLP,
+    LlamaRMSNorm,
+    LlamaRotaryEmbedding,
+)
+
+from ssd_eagle.model_runner import default_aux_layer_ids
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# helpers on transformers configs
+
+def text_config(config):
+    """The text part of a (possibly multimodal) transformers config."""
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+def normalize_rope_parameters(rope: dict | None, rope_theta: float | None = None) -> dict:
+    """A comparable copy of a rope dict in transformers v5 form (``rope_type`` and ``rope_theta`` keys).
+
+    Accepts v5 ``rope_parameters`` or a legacy ``rope_scaling`` (whose ``type`` key becomes ``rope_type``) plus a
+    separate ``rope_theta``.
+    """
+    out = dict(rope or {})
+    if "type" in out:
+        out.setdefault("rope_type", out["type"])
+        del out["type"]
+    out.setdefault("rope_type", "default")
+    if "rope_theta" not in out:
+        out["rope_theta"] = float(rope_theta if rope_theta is not None else 10000.0)
+    return out
+
+
+def rope_parameters_of(config) -> dict:
+    """The rope settings of a transformers config, normalized (v5 ``rope_parameters`` or legacy fields)."""
+    config = text_config(config)
+    rope = getattr(config, "rope_parameters", None)
+    if rope is None:
+        rope = getattr(config, "rope_scaling", None)
+    return normalize_rope_parameters(rope, getattr(config, "rope_theta", None))
+
+
+def _dtype_name(dtype) -> str:
+    if dtype is None:
+        return "float32"
+    if isinstance(dtype, torch.dtype):
+        return str(dtype).removeprefix("torch.")
+    return str(dtype).removeprefix("torch.")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# config
+
+@dataclass
+class Eagle3Config:
+    """Geometry and metadata of an EAGLE-3 head.
+
+    Attributes:
+        hidden_size, intermediate_size, num_attention_heads, num_key_value_heads, head_dim, rms_norm_eps,
+        hidden_act: the midlayer's Llama geometry (copied from the target by :meth:`from_target`).
+        max_position_embeddings, rope_parameters: must equal the target's (transformers v5 ``rope_parameters``
+            dict, with ``rope_type`` and ``rope_theta``).
+        vocab_size: the target vocabulary (length of ``t2d``, of the shared embeddings).
+        draft_vocab_size: rows of ``lm_head`` (length of ``d2t``).
+        target_hidden_size: H_target; ``fc`` maps ``3 * target_hidden_size -> hidden_size``.
+        aux_layer_ids: (low, mid, high) target layers whose *input* residual stream is captured (NOTES section 2).
+        attention_bias, mlp_bias: Llama options (False for every public EAGLE-3 head).
+        torch_dtype: dtype name of the weights ("float32", "bfloat16", ...).
+        saguaro_c, saguaro_fanout: the Saguaro (C, F) the head was trained for, when it was (issue 7).
+        extra: free-form metadata saved with the checkpoint.
+    """
+
+    hidden_size: int
+    intermediate_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    hidden_act: str
+    max_position_embeddings: int
+    rope_parameters: dict
+    vocab_size: int
+    draft_vocab_size: int
+    target_hidden_size: int
+    aux_layer_ids: tuple[int, int, int]
+    attention_bias: bool = False
+    mlp_bias: bool = False
+    torch_dtype: str = "float32"
+    saguaro_c: float | None = None
+    saguaro_fanout: int | None = None
+    extra: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        self.aux_layer_ids = tuple(int(i) for i in self.aux_layer_ids)
+        if len(self.aux_layer_ids) != 3:
+            raise ValueError(f"aux_layer_ids must hold 3 ids (low, mid, high), got {list(self.aux_layer_ids)}")
+        self.rope_parameters = normalize_rope_parameters(self.rope_parameters)
+        self.torch_dtype = _dtype_name(self.torch_dtype)
+        if not 0 < self.draft_vocab_size <= self.vocab_size:
+            raise ValueError(f"draft_vocab_size must be in [1, vocab_size={self.vocab_size}], "
+                             f"got {self.draft_vocab_size}")
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return getattr(torch, self.torch_dtype)
+
+    @classmethod
+    def from_target(cls, target_config, draft_vocab_size: int, aux_layer_ids: Iterable[int] | None = None,
+                    **overrides) -> Eagle3Config:
+        """Copy the midlayer geometry, rope settings and max positions from the target's transformers config.
+
+        Args:
+            target_config: the target's ``PretrainedConfig`` (a multimodal one is reduced to its text config).
+            draft_vocab_size: rows of ``lm_head`` (<= the target vocabulary).
+            aux_layer_ids: input-of-layer ids; default :func:`ssd_eagle.model_runner.default_aux_layer_ids`.
+            overrides: any other field (e.g. ``intermediate_size``, ``torch_dtype``, ``saguaro_c``).
+        """
+        t = text_config(target_config)
+        ids = tuple(aux_layer_ids) if aux_layer_ids is not None else default_aux_layer_ids(t.num_hidden_layers)
+        head_dim = getattr(t, "head_dim", None) or t.hidden_size // t.num_attention_heads
+        values = dict(
+            hidden_size=t.hidden_size,
+            intermediate_size=t.intermediate_size,
+            num_attention_heads=t.num_attention_heads,
+            num_key_value_heads=getattr(t, "num_key_value_heads", None) or t.num_attention_heads,
+            head_dim=head_dim,
+            rms_norm_eps=t.rms_norm_eps,
+            hidden_act=getattr(t, "hidden_act", "silu"),
+            max_position_embeddings=t.max_position_embeddings,
+            rope_parameters=rope_parameters_of(t),
+            vocab_size=t.vocab_size,
+            draft_vocab_size=draft_vocab_size,
+            target_hidden_size=t.hidden_size,
+            aux_layer_ids=ids,
+            torch_dtype=_dtype_name(getattr(t, "dtype", None) or getattr(t, "torch_dtype", None)),
+        )
+        unknown = set(overrides) - {f.name for f in fields(cls)}
+        if unknown:
+            raise TypeError(f"unknown Eagle3Config fields: {sorted(unknown)}")
+        values.update(overrides)
+        return cls(**values)
+
+    def to_llama_config(self) -> LlamaConfig:
+        """A one-layer transformers ``LlamaConfig`` with this geometry (used to build the reused modules)."""
+        return LlamaConfig(
+            vocab_size=self.vocab_size,
+            hidden_size=self.hidden_size,
+            intermediate_size=self.intermediate_size,
+            num_hidden_layers=1,
+            num_attention_heads=self.num_attention_heads,
+            num_key_value_heads=self.num_key_value_heads,
+            head_dim=self.head_dim,
+            hidden_act=self.hidden_act,
+            max_position_embeddings=self.max_position_embeddings,
+            rms_norm_eps=self.rms_norm_eps,
+            rope_parameters=copy.deepcopy(self.rope_parameters),
+            attention_bias=self.attention_bias,
+            mlp_bias=self.mlp_bias,
+            tie_word_embeddings=False,
+        )
+
+    def validate_against_target(self, target_config) -> None:
+        """Check that this head fits the target.
+
+        Raises:
+            ValueError: naming every mismatched field: ``vocab_size``, ``target_hidden_size``, ``hidden_size`` (the
+                embeddings are the target's), ``rope_parameters``, ``max_position_embeddings``, ``aux_layer_ids``
+                (out of ``[0, L]`` or not distinct).
+        """
+        t = text_config(target_config)
+        problems = []
+        if self.vocab_size != t.vocab_size:
+            problems.append(f"vocab_size: draft {self.vocab_size} != target {t.vocab_size}")
+        if self.target_hidden_size != t.hidden_size:
+            problems.append(f"target_hidden_size: draft {self.target_hidden_size} != target {t.hidden_size}")
+        if self.hidden_size != t.hidden_size:
+            problems.append(f"hidden_size: draft {self.hidden_size} != target {t.hidden_size} "
+                            "(the draft shares the target's token embeddings)")
+        target_rope = rope_parameters_of(t)
+        if normalize_rope_parameters(self.rope_parameters) != target_rope:
+            problems.append(f"rope_parameters: draft {self.rope_parameters} != target {target_rope}")
+        if self.max_position_embeddings != t.max_position_embeddings:
+            problems.append(f"max_position_embeddings: draft {self.max_position_embeddings} "
+                            f"!= target {t.max_position_embeddings}")
+        num_layers = t.num_hidden_layers
+        ids = list(self.aux_layer_ids)
+        if len(set(ids)) != len(ids) or min(ids) < 0 or max(ids) > num_layers:
+            problems.append(f"aux_layer_ids: {ids} must be distinct and in [0, {num_layers}] "
+                            f"(input-of-layer convention, {num_layers}-layer target)")
+        if problems:
+            raise ValueError("EAGLE-3 head does not match the target: " + "; ".join(problems))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# vocabulary mapping (NOTES section 3)
+
+def build_vocab_mapping(used_target_ids: Iterable[int] | torch.Tensor, vocab_size: int,
+                        draft_vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The draft-vocabulary tensors of EAGLE-3 from the target ids the draft should cover.
+
+    Args:
+        used_target_ids: target token ids in priority order (most frequent first); duplicates are ignored. The first
+            ``draft_vocab_size`` distinct ids are kept; when there are fewer, the smallest unused ids pad the set.
+        vocab_size: target vocabulary size V.
+        draft_vocab_size: D <= V.
+
+    Returns:
+        ``d2t`` int64 [D] with ``d2t[i] = used[i] - i`` over the kept ids sorted ascending (all zeros = identity),
+        and ``t2d`` bool [V] with ``t2d[v] = v in used``.
+
+    Raises:
+        ValueError: D not in [1, V], or an id outside [0, V).
+    """
+    if not 0 < draft_vocab_size <= vocab_size:
+        raise ValueError(f"draft_vocab_size must be in [1, {vocab_size}], got {draft_vocab_size}")
+    ids = torch.as_tensor(list(used_target_ids) if not torch.is_tensor(used_target_ids) else used_target_ids,
+                          dtype=torch.long).flatten()
+    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab_size):
+        raise ValueError(f"target ids must be in [0, {vocab_size}), got range "
+                         f"[{int(ids.min())}, {int(ids.max())}]")
+    seen: dict[int, None] = {}
+    for v in ids.tolist():
+        if len(seen) == draft_vocab_size:
+            break
+        seen.setdefault(v, None)
+    t2d = torch.zeros(vocab_size, dtype=torch.bool)
+    if seen:
+        t2d[torch.tensor(list(seen), dtype=torch.long)] = True
+    missing = draft_vocab_size - len(seen)
+    if missing:
+        t2d[torch.nonzero(~t2d).flatten()[:missing]] = True
+    used = torch.nonzero(t2d).flatten()
+    d2t = used - torch.arange(draft_vocab_size, dtype=torch.long)
+    return d2t, t2d
+
+
+def check_vocab_mapping(d2t: torch.Tensor, t2d: torch.Tensor, vocab_size: int) -> None:
+    """Validate a (d2t, t2d) pair: int64/bool, draft ids map injectively into [0, V) and t2d marks exactly them.
+
+    Catches the reported failure modes of NOTES section 7 (zeroed or regenerated tensors that disagree).
+
+    Raises:
+        ValueError: describing the first inconsistency.
+    """
+    if d2t.dtype != torch.long or d2t.dim() != 1:
+        raise ValueError(f"d2t must be a 1-D int64 tensor, got {d2t.dtype} {tuple(d2t.shape)}")
+    if t2d.dtype != torch.bool or t2d.shape != (vocab_size,):
+        raise ValueError(f"t2d must be a bool tensor of shape ({vocab_size},), got {t2d.dtype} {tuple(t2d.shape)}")
+    targets = torch.arange(d2t.numel(), device=d2t.device) + d2t
+    if d2t.numel() and (int(targets.min()) < 0 or int(targets.max()) >= vocab_size):
+        raise ValueError(f"d2t maps draft ids outside the target vocabulary [0, {vocab_size})")
+    if torch.unique(targets).numel() != targets.numel():
+        raise ValueError("d2t maps two draft ids to the same target id")
+    if int(t2d.sum()) != d2t.numel() or not bool(t2d[targets.to(t2d.device)].all()):
+        raise ValueError(f"t2d (marks {int(t2d.sum())} ids) disagrees with d2t ({d2t.numel()} draft ids)")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# model
+
+class Eagle3MidLayer(nn.Module):
+    """The single EAGLE-3 decoder layer, built from transformers' ``LlamaAttention`` (q/k/v widened to 2H inputs),
+    ``LlamaMLP`` and three ``LlamaRMSNorm``. Parameter names match the public checkpoints (``midlayer.*``)."""
+
+    def __init__(self, config: LlamaConfig):
+        super().__init__()
+        h, hd = config.hidden_size, config.head_dim
+        self.self_attn = LlamaAttention(config, layer_idx=0)
+        # the attention input is concat(input_layernorm(embeds), hidden_norm(h)): 2H wide. LlamaAttention.forward
+        # only uses hidden_states.shape[:-1], so widening the projections is all that is needed.
+        bias = config.attention_bias
+        self.self_attn.q_proj = nn.Linear(2 * h, config.num_attention_heads * hd, bias=bias)
+        self.self_attn.k_proj = nn.Linear(2 * h, config.num_key_value_heads * hd, bias=bias)
+        self.self_attn.v_proj = nn.Linear(2 * h, config.num_key_value_heads * hd, bias=bias)
+        self.mlp = LlamaMLP(config)
+        self.input_layernorm = LlamaRMSNorm(h, eps=config.rms_norm_eps)
+        self.hidden_norm = LlamaRMSNorm(h, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = LlamaRMSNorm(h, eps=config.rms_norm_eps)
+
+    def forward(self, embeds: torch.Tensor, hidden: torch.Tensor,
+                position_embeddings: tuple[torch.Tensor, torch.Tensor],
+                attention_mask: torch.Tensor | None, cache) -> torch.Tensor:
+        residual = hidden
+        x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)
+        attn_out, _ = self.self_attn(x, position_embeddings=position_embeddings, attention_mask=attention_mask,
+                                     cache=cache)
+        h = residual + attn_out
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class Eagle3DraftModel(nn.Module):
+    """EAGLE-3 draft head: ``fc``, one ``midlayer``, ``norm``, ``lm_head`` and the ``d2t``/``t2d`` mapping.
+
+    Token embeddings are the target's: attach them with :meth:`set_embeddings` (not registered as a parameter, so
+    ``state_dict()`` and optimizers never see them). A checkpoint that carries ``embed_tokens.weight`` gets an owned,
+    frozen ``embed_tokens`` instead (see :meth:`set_owned_embeddings`).
+
+    Args:
+        config: the head's :class:`Eagle3Config`.
+        attn_implementation: transformers attention backend for the midlayer ("sdpa" or "eager").
+
+    Buffers: ``d2t`` int64 [draft_vocab] (identity by default), ``t2d`` bool [vocab].
+    """
+
+    def __init__(self, config: Eagle3Config, attn_implementation: str = "sdpa"):
+        super().__init__()
+        self.config = config
+        llama = config.to_llama_config()
+        llama._attn_implementation = attn_implementation
+        self.llama_config = llama
+        h = config.hidden_size
+        self.fc = nn.Linear(3 * config.target_hidden_size, h, bias=False)
+        self.midlayer = Eagle3MidLayer(llama)
+        self.norm = LlamaRMSNorm(h, eps=config.rms_norm_eps)
+        self.lm_head = nn.Linear(h, config.draft_vocab_size, bias=False)
+        self.rotary_emb = LlamaRotaryEmbedding(llama)
+        self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.long))
+        t2d = torch.zeros(config.vocab_size, dtype=torch.bool)
+        t2d[: config.draft_vocab_size] = True
+        self.register_buffer("t2d", t2d)
+        self.register_module("embed_tokens", None)
+        object.__setattr__(self, "_shared_embeddings", None)
+        self.init_weights()
+
+    # --- construction helpers -----------------------------------------------------------------------------
+    @torch.no_grad()
+    def init_weights(self, std: float = 0.02) -> None:
+        """Llama-style init: linear weights ~ N(0, std), biases 0, norm weights 1."""
+        for module in self.modules():
+            if isinstance(module, nn.Linear):
+                module.weight.normal_(0.0, std)
+                if module.bias is not None:
+                    module.bias.zero_()
+            elif isinstance(module, LlamaRMSNorm):
+                module.weight.fill_(1.0)
+
+    def set_embeddings(self, embeddings: nn.Module) -> None:
+        """Share the target's input embeddings (``target.get_input_embeddings()``), frozen and unregistered.
+
+        Drops an owned ``embed_tokens`` loaded from a checkpoint: the target's embeddings are authoritative.
+
+        Raises:
+            ValueError: the embedding table is not [vocab_size, hidden_size].
+        """
+        weight = embeddings.weight
+        expected = (self.config.vocab_size, self.config.hidden_size)
+        if tuple(weight.shape) != expected:
+            raise ValueError(f"embeddings are {tuple(weight.shape)}, the head needs {expected}")
+        self.embed_tokens = None
+        object.__setattr__(self, "_shared_embeddings", embeddings)
+
+    def set_owned_embeddings(self, weight: torch.Tensor) -> None:
+        """Own a frozen copy of an embedding table [vocab_size, hidden_size] (a checkpoint's ``embed_tokens``).
+
+        Raises:
+            ValueError: wrong shape.
+        """
+        expected = (self.config.vocab_size, self.config.hidden_size)
+        if tuple(weight.shape) != expected:
+            raise ValueError(f"embed_tokens.weight is {tuple(weight.shape)}, expected {expected}")
+        ref = self.lm_head.weight
+        emb = nn.Embedding(*expected, device=ref.device, dtype=ref.dtype)
+        emb.weight.data.copy_(weight)
+        emb.weight.requires_grad_(False)
+        self.embed_tokens = emb
+        object.__setattr__(self, "_shared_embeddings", None)
+
+    @torch.no_grad()
+    def set_vocab_mapping(self, d2t: torch.Tensor, t2d: torch.Tensor) -> None:
+        """Install ``d2t`` int64 [draft_vocab] and ``t2d`` bool [vocab] (see :func:`build_vocab_mapping`).
+
+        Raises:
+            ValueError: wrong shapes/dtypes or an inconsistent pair (:func:`check_vocab_mapping`).
+        """
+        if d2t.shape != self.d2t.shape:
+            raise ValueError(f"d2t has shape {tuple(d2t.shape)}, the head needs {tuple(self.d2t.shape)}")
+        check_vocab_mapping(d2t, t2d, self.config.vocab_size)
+        self.d2t.copy_(d2t)
+        self.t2d.copy_(t2d)
+
+    build_vocab_mapping = staticmethod(build_vocab_mapping)
+
+    # --- forward ------------------------------------------------------------------------------------------
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Target token embeddings of ``input_ids`` int64 [B, n] -> [B, n, H], detached (frozen).
+
+        Raises:
+            RuntimeError: no embeddings attached.
+        """
+        table = self.embed_tokens if self.embed_tokens is not None else self._shared_embeddings
+        if table is None:
+            raise RuntimeError("no token embeddings: call set_embeddings(target.get_input_embeddings())")
+        return table(input_ids).detach()
+
+    def fuse(self, aux_hidden: torch.Tensor) -> torch.Tensor:
+        """``fc``: aux hidden states [B, n, 3*H_target] (low, mid, high concatenated) -> [B, n, H]."""
+        return self.fc(aux_hidden)
+
+    def forward(self, input_ids: torch.Tensor, hidden: torch.Tensor, position_ids: torch.Tensor,
+                attention_mask: torch.Tensor | None = None, cache=None,
+                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        """One EAGLE-3 step over n positions.
+
+        Args:
+            input_ids: int64 [B, n], target-vocabulary ids (position t holds token t+1 paired with the feature of t).
+            hidden: [B, n, H] float, the fused target feature (:meth:`fuse`) or the head's previous output.
+            position_ids: int64 [B, n], rotary positions.
+            attention_mask: [B, 1, n, S] additive float mask in the model dtype (0 visible, dtype-min hidden), or
+                None for plain causal attention over these n positions (only without a cache).
+            cache: a :class:`ssd_eagle.kv_cache.KVCache` (1 layer) bound to a ``ForwardBatch``; transformers'
+                ``LlamaAttention`` calls its ``update`` exactly as in the target. None = no cache.
+            inputs_embeds: [B, n, H] to use instead of embedding ``input_ids``.
+
+        Returns:
+            [B, n, H] pre-norm hidden states (what EAGLE-3 feeds back as the next step's ``hidden``).
+
+        Raises:
+            ValueError: a cache without a mask.
+        """
+        if cache is not None and attention_mask is None:
+            raise ValueError("a cached forward needs the ForwardBatch's attn_mask")
+        embeds = self.embed(input_ids) if inputs_embeds is None else inputs_embeds
+        embeds = embeds.to(hidden.dtype)
+        if attention_mask is None and self.llama_config._attn_implementation != "sdpa":
+            n = hidden.shape[1]
+            future = torch.ones(n, n, dtype=torch.bool, device=hidden.device).triu(1)
+            attention_mask = torch.zeros(n, n, dtype=hidden.dtype, device=hidden.device).masked_fill(
+                future, torch.finfo(hidden.dtype).min)[None, None].expand(hidden.shape[0], 1, n, n)
+        position_embeddings = self.rotary_emb(hidden, position_ids)
+        return self.midlayer(embeds, hidden, position_embeddings, attention_mask, cache)
+
+    def compute_logits(self, hidden_out: torch.Tensor) -> torch.Tensor:
+        """``lm_head(norm(hidden_out))``: [..., H] -> [..., draft_vocab] (draft-vocabulary logits)."""
+        return self.lm_head(self.norm(hidden_out))
+
+    # --- vocabulary ---------------------------------------------------------------------------------------
+    @property
+    def draft_target_ids(self) -> torch.Tensor:
+        """int64 [draft_vocab]: the target id of every draft id (``arange + d2t``)."""
+        return torch.arange(self.d2t.numel(), device=self.d2t.device) + self.d2t
+
+    def draft_to_target(self, ids: torch.Tensor) -> torch.Tensor:
+        """Draft ids (int64, any shape) -> target ids: ``ids + d2t[ids]``."""
+        return ids + self.d2t[ids]
+
+    def to_target_logits(self, draft_logits: torch.Tensor) -> torch.Tensor:
+        """Scatter draft logits [..., draft_vocab] into the target vocabulary [..., vocab]; -inf elsewhere."""
+        out = draft_logits.new_full((*draft_logits.shape[:-1], self.config.vocab_size), -math.inf)
+        return out.index_copy_(-1, self.draft_target_ids, draft_logits)
+
+    def num_parameters(self, trainable_only: bool = False) -> int:
+        """Parameters of the head (shared target embeddings never count; an owned frozen copy counts only when
+        ``trainable_only`` is False)."""
+        return sum(p.numel() for p in self.parameters() if p.requires_grad or not trainable_only)
