@@ -55,6 +55,7 @@ class LLMEngine:
         self.tokenizer = tokenizer
         self.drafter = drafter
         self.K = num_speculative_tokens if drafter is not None else 0
+        self.mode_name = "ar" if drafter is None else f"{getattr(drafter, 'mode', 'sd')}:{drafter.name}"
         cfg = model.config.get_text_config()
         self.vocab_size = cfg.vocab_size
         self.max_model_len = max_model_len or cfg.max_position_embeddings

@@ -70,8 +70,6 @@ def rope_parameters_of(config) -> dict:
 def _dtype_name(dtype) -> str:
     if dtype is None:
         return "float32"
-    if isinstance(dtype, torch.dtype):
-        return str(dtype).removeprefix("torch.")
     return str(dtype).removeprefix("torch.")
 
 
@@ -123,6 +121,8 @@ class Eagle3Config:
             raise ValueError(f"aux_layer_ids must hold 3 ids (low, mid, high), got {list(self.aux_layer_ids)}")
         self.rope_parameters = normalize_rope_parameters(self.rope_parameters)
         self.torch_dtype = _dtype_name(self.torch_dtype)
+        if not isinstance(getattr(torch, self.torch_dtype, None), torch.dtype):
+            raise ValueError(f"torch_dtype {self.torch_dtype!r} is not a torch dtype")
         if not 0 < self.draft_vocab_size <= self.vocab_size:
             raise ValueError(f"draft_vocab_size must be in [1, vocab_size={self.vocab_size}], "
                              f"got {self.draft_vocab_size}")
@@ -159,7 +159,7 @@ class Eagle3Config:
             draft_vocab_size=draft_vocab_size,
             target_hidden_size=t.hidden_size,
             aux_layer_ids=ids,
-            torch_dtype=_dtype_name(getattr(t, "dtype", None) or getattr(t, "torch_dtype", None)),
+            torch_dtype=_dtype_name(getattr(t, "dtype", None)),
         )
         unknown = set(overrides) - {f.name for f in fields(cls)}
         if unknown:
