@@ -84,8 +84,11 @@ def sample(probs: torch.Tensor, generators: list[torch.Generator | None]) -> tor
         int64 [B] token ids.
     """
     noise = torch.empty_like(probs)
-    for row, gen in enumerate(generators):
-        noise[row].exponential_(generator=gen)
+    if _one_stream(generators):
+        noise.exponential_(generator=generators[0] if generators else None)
+    else:
+        for row, gen in enumerate(generators):
+            noise[row].exponential_(generator=gen)
     noise.clamp_(min=torch.finfo(noise.dtype).tiny)  # an exact 0 would turn 0/0 into NaN, which argmax picks
     return (probs / noise).argmax(dim=-1)
 
@@ -93,6 +96,13 @@ def sample(probs: torch.Tensor, generators: list[torch.Generator | None]) -> tor
 def uniforms(shape_per_row: int, generators: list[torch.Generator | None], device, dtype) -> torch.Tensor:
     """One row of ``shape_per_row`` U[0, 1) draws from each row's generator: [B, shape_per_row]."""
     out = torch.empty(len(generators), shape_per_row, device=device, dtype=dtype)
+    if _one_stream(generators):
+        return out.uniform_(generator=generators[0] if generators else None)
     for row, gen in enumerate(generators):
         out[row].uniform_(generator=gen)
     return out
+
+
+def _one_stream(generators: list[torch.Generator | None]) -> bool:
+    """All rows draw from the same stream (one generator object, or all None): one call serves them all."""
+    return all(g is generators[0] for g in generators)

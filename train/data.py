@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import random
 import re
 import uuid
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -152,17 +153,20 @@ def _json_files(folder: Path) -> list[str]:
 
 
 def load_rows(source: str | os.PathLike, *, split: str = "train", field: str | None = None,
-              local_only: bool = True):
+              local_only: bool = True) -> list[tuple[str, Any]]:
     """Load raw rows with the ``datasets`` library.
 
+    Each local file is loaded on its own (``datasets`` cannot merge files whose rows have different fields).
+
     Args:
-        source: a ``.json``/``.jsonl`` file, a folder (all ``.json``/``.jsonl`` files under it), or a hub dataset id.
+        source: a ``.json``/``.jsonl`` file, a folder (all ``.json``/``.jsonl`` files under it, sorted by path), or
+            a hub dataset id.
         split: split of a hub dataset (local files always load as one split).
         field: for JSON files whose rows sit under a top-level key.
         local_only: hub datasets are read from the local cache only (no download).
 
     Returns:
-        A ``datasets.Dataset`` of the raw rows.
+        ``[(name, datasets.Dataset), ...]``: one entry per file (``name`` = the file path) or one for the hub id.
 
     Raises:
         FileNotFoundError: a folder without JSON files, or a hub id not available locally (the message says so).
@@ -173,11 +177,11 @@ def load_rows(source: str | os.PathLike, *, split: str = "train", field: str | N
     if path.is_dir() or path.is_file():
         files = _json_files(path) if path.is_dir() else [str(path)]
         kwargs = {"field": field} if field else {}
-        return datasets.load_dataset("json", data_files=files, split="train", **kwargs)
+        return [(f, datasets.load_dataset("json", data_files=f, split="train", **kwargs)) for f in files]
     context = _hub_offline() if local_only else contextlib.nullcontext()
     try:
         with context:
-            return datasets.load_dataset(str(source), split=split)
+            return [(str(source), datasets.load_dataset(str(source), split=split))]
     except (ConnectionError, FileNotFoundError, OSError) as err:
         where = "in the local Hugging Face cache" if local_only else "locally or on the hub"
         raise FileNotFoundError(
@@ -193,25 +197,31 @@ def load_conversations(source: str | os.PathLike | Iterable[dict], *, split: str
         source: a JSON/JSONL file or folder, a hub dataset id (local cache only unless ``local_only=False``), or an
             iterable of rows (dicts, e.g. a ``datasets.Dataset``).
         split, field, local_only: see :func:`load_rows`.
-        limit: keep only the first ``limit`` rows.
+        limit: keep only the first ``limit`` rows (over all files).
 
     Returns:
         ``[{"id": str, "messages": [{"role", "content"}, ...]}, ...]``; ``id`` is the row's ``id`` field when it has
-        one, else its row number.
+        one, else its position in the whole source.
 
     Raises:
-        ValueError: a row of unknown shape or with an unknown role (see :func:`normalize_conversation`).
+        ValueError: a row of unknown shape or with an unknown role (see :func:`normalize_conversation`); the message
+            names the file (for local files) and the row number in it.
         FileNotFoundError: see :func:`load_rows`.
     """
-    rows = load_rows(source, split=split, field=field, local_only=local_only) \
-        if isinstance(source, (str, os.PathLike)) else source
-    out = []
-    for i, row in enumerate(rows):
-        if limit is not None and i >= limit:
-            break
-        row_id = row.get("id") if isinstance(row, dict) else None
-        out.append({"id": str(row_id) if row_id is not None else str(i),
-                    "messages": normalize_conversation(row, i if row_id is None else f"{i} (id {row_id})")})
+    if isinstance(source, (str, os.PathLike)):
+        parts = load_rows(source, split=split, field=field, local_only=local_only)
+        labelled = len(parts) > 1 or Path(source).exists()
+    else:
+        parts, labelled = [("", source)], False
+    out: list[dict] = []
+    for name, rows in parts:
+        for i, row in enumerate(rows):
+            if limit is not None and len(out) >= limit:
+                return out
+            row_id = row.get("id") if isinstance(row, dict) else None
+            label = (f"{name}:" if labelled else "") + str(i) + (f" (id {row_id})" if row_id is not None else "")
+            out.append({"id": str(row_id) if row_id is not None else str(len(out)),
+                        "messages": normalize_conversation(row, label)})
     return out
 
 
@@ -439,12 +449,14 @@ def build_dataset(source, tokenizer, *, max_length: int = DEFAULT_MAX_LENGTH, ra
         columns["length"].append(len(sample["input_ids"]))
     if not columns["length"]:
         raise ValueError(f"no conversation has an assistant token to train on ({stats.num_conversations} read)")
+    if shuffle_seed is not None:  # same permutation on every rank, before sharding
+        order = list(range(len(columns["length"])))
+        random.Random(shuffle_seed).shuffle(order)
+        columns = {k: [v[i] for i in order] for k, v in columns.items()}
     features = datasets.Features({"input_ids": datasets.Sequence(datasets.Value("int64")),
                                   "loss_mask": datasets.Sequence(datasets.Value("int64")),
                                   "length": datasets.Value("int64")})
     dataset = datasets.Dataset.from_dict(columns, features=features)
-    if shuffle_seed is not None:
-        dataset = dataset.shuffle(seed=shuffle_seed).flatten_indices()
     return shard_dataset(dataset, rank, world_size), stats
 
 

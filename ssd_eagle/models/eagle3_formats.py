@@ -1,0 +1,645 @@
+"""Checkpoint formats of the EAGLE-3 head: our export (``NOTES.md`` section 5, the layout vLLM and SGLang load),
+vLLM's speculators format, import of the public layouts, and the engines' weight-name maps.
+
+Layouts read by :func:`load_eagle3` (public code checked, see each function):
+
+* **EAGLE reference** (SafeAILab/EAGLE ``eagle/model/cnets.py``) and **SpecForge**
+  (sgl-project/SpecForge ``specforge/modeling/draft/llama3_eagle.py``): ``config.json`` with
+  ``architectures: ["LlamaForCausalLMEagle3"]``, Llama keys (``rope_theta``/``rope_scaling``), ``draft_vocab_size``;
+  weights ``midlayer.*``, ``fc.weight``, ``norm.weight``, ``lm_head.weight``, ``d2t``, ``t2d`` and sometimes
+  ``embed_tokens.weight``, in ``model.safetensors`` or ``pytorch_model.bin``; some exports prefix names with
+  ``model.``. These configs usually record no aux layer ids (the reference uses ``(2, L//2, L-3)``), so a
+  ``target_config`` is needed to fill them in.
+* **vLLM speculators** (vllm-project/speculators ``src/speculators/models/eagle3/{config,core}.py``):
+  ``speculators_model_type: "eagle3"``, the Llama keys under ``transformer_layer_config``, ``draft_vocab_size``,
+  ``norm_before_residual``, ``target_hidden_size`` and ``eagle_aux_hidden_state_layer_ids`` at top level, the
+  proposal settings under ``speculators_config``; weights ``layers.0.*`` instead of ``midlayer.*``.
+
+Aux layer ids without a declared convention are read as input-of-layer ids, the way vLLM reads
+``eagle_aux_hidden_state_layer_ids`` (its target models append ``hidden_states + residual`` *before* running layer
+``idx``). Our exports declare ``"eagle_aux_hidden_state_layer_ids_convention": "input_of_layer"``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+import uuid
+import warnings
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import LlamaConfig
+
+from ssd_eagle.model_runner import default_aux_layer_ids
+from ssd_eagle.models.eagle3 import (
+    Eagle3Config,
+    Eagle3DraftModel,
+    check_vocab_mapping,
+    normalize_rope_parameters,
+    text_config,
+)
+
+CONFIG_NAME = "config.json"
+WEIGHTS_NAME = "model.safetensors"
+AUX_IDS_CONVENTION = "input_of_layer"
+CONVENTION_KEY = "eagle_aux_hidden_state_layer_ids_convention"
+FORMAT_VERSION = 1
+
+# architectures of one-layer EAGLE-3 heads in the HF-style layout (EAGLE reference / SpecForge / SGLang name, vLLM's
+# internal name, and plain Llama as some public heads declare it)
+EAGLE3_ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM", "LlamaForCausalLM")
+
+# checkpoint tensor names of the head (besides the optional "embed_tokens.weight")
+HEAD_TENSOR_NAMES = (
+    "midlayer.self_attn.q_proj.weight", "midlayer.self_attn.k_proj.weight", "midlayer.self_attn.v_proj.weight",
+    "midlayer.self_attn.o_proj.weight", "midlayer.mlp.gate_proj.weight", "midlayer.mlp.up_proj.weight",
+    "midlayer.mlp.down_proj.weight", "midlayer.input_layernorm.weight", "midlayer.hidden_norm.weight",
+    "midlayer.post_attention_layernorm.weight", "fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d",
+)
+EMBED_NAME = "embed_tokens.weight"
+
+_LLAMA_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
+               "head_dim", "hidden_act", "max_position_embeddings", "rms_norm_eps", "rope_parameters", "rope_theta",
+               "rope_scaling", "attention_bias", "mlp_bias")
+_REQUIRED_LLAMA_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_attention_heads")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# writing
+
+def head_state_dict(model: Eagle3DraftModel, dtype: torch.dtype | None = None,
+                    include_embeddings: bool = False) -> dict[str, torch.Tensor]:
+    """The head's tensors under checkpoint names (NOTES section 5), on CPU, contiguous and unshared.
+
+    Floating tensors are cast to ``dtype`` when given; ``d2t`` stays int64 and ``t2d`` bool. The owned
+    ``embed_tokens.weight`` is included only with ``include_embeddings`` (engines share the target's).
+
+    Raises:
+        ValueError: inconsistent ``d2t``/``t2d`` (never written).
+    """
+    check_vocab_mapping(model.d2t, model.t2d, model.config.vocab_size)
+    out = {}
+    for name, tensor in model.state_dict().items():
+        if name == EMBED_NAME and not include_embeddings:
+            continue
+        tensor = tensor.detach().to("cpu")
+        if dtype is not None and tensor.is_floating_point():
+            tensor = tensor.to(dtype)
+        out[name] = tensor.contiguous().clone()
+    return out
+
+
+def _legacy_rope(rope: dict) -> tuple[float, dict | None]:
+    """(rope_theta, rope_scaling) for engines that still read the pre-v5 keys."""
+    rope = normalize_rope_parameters(rope)
+    scaling = {k: v for k, v in rope.items() if k != "rope_theta"}
+    return rope["rope_theta"], (None if rope["rope_type"] == "default" else scaling)
+
+
+def _llama_fields(config: Eagle3Config, dtype_name: str) -> dict:
+    theta, scaling = _legacy_rope(config.rope_parameters)
+    return {
+        "model_type": "llama",
+        "num_hidden_layers": 1,
+        "hidden_size": config.hidden_size,
+        "intermediate_size": config.intermediate_size,
+        "num_attention_heads": config.num_attention_heads,
+        "num_key_value_heads": config.num_key_value_heads,
+        "head_dim": config.head_dim,
+        "hidden_act": config.hidden_act,
+        "rms_norm_eps": config.rms_norm_eps,
+        "max_position_embeddings": config.max_position_embeddings,
+        "rope_parameters": dict(config.rope_parameters),
+        "rope_theta": theta,
+        "rope_scaling": scaling,
+        "vocab_size": config.vocab_size,
+        "attention_bias": config.attention_bias,
+        "mlp_bias": config.mlp_bias,
+        "tie_word_embeddings": False,
+        "torch_dtype": dtype_name,
+    }
+
+
+def _ssd_block(config: Eagle3Config) -> dict:
+    return {"format_version": FORMAT_VERSION, "saguaro_c": config.saguaro_c,
+            "saguaro_fanout": config.saguaro_fanout, "extra": config.extra}
+
+
+def eagle3_config_dict(config: Eagle3Config, dtype_name: str | None = None) -> dict:
+    """The ``config.json`` of our export (NOTES section 5): what vLLM's ``Eagle3LlamaForCausalLM`` and SGLang's
+    ``LlamaForCausalLMEagle3`` read, plus the rope settings in both v5 and legacy keys, the declared aux-id
+    convention and an ``ssd_eagle`` block (Saguaro settings, free metadata) that engines ignore."""
+    out = {"architectures": ["LlamaForCausalLMEagle3"]}
+    out.update(_llama_fields(config, dtype_name or config.torch_dtype))
+    out.update({
+        "draft_vocab_size": config.draft_vocab_size,
+        "target_hidden_size": config.target_hidden_size,
+        "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(config.aux_layer_ids),
+                         "use_aux_hidden_state": True},
+        CONVENTION_KEY: AUX_IDS_CONVENTION,
+        "ssd_eagle": _ssd_block(config),
+    })
+    return out
+
+
+def _write_atomically(out_dir: str | os.PathLike, files: dict[str, object]) -> Path:
+    """Write ``files`` (name -> JSON dict or tensor dict) into a fresh temp dir, then swap it in for ``out_dir``."""
+    out = Path(out_dir)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        for name, payload in files.items():
+            if name.endswith(".json"):
+                (tmp / name).write_text(json.dumps(payload, indent=2) + "\n")
+            else:
+                save_file(payload, str(tmp / name), metadata={"format": "pt"})
+        os.chmod(tmp, 0o755)
+        if out.exists():
+            old = out.parent / f".{out.name}.old-{uuid.uuid4().hex}"
+            os.rename(out, old)
+            os.rename(tmp, out)
+            shutil.rmtree(old)
+        else:
+            os.rename(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+def _dtype_of(tensors: dict[str, torch.Tensor], fallback: str) -> str:
+    t = tensors.get("lm_head.weight")
+    return str(t.dtype).removeprefix("torch.") if t is not None else fallback
+
+
+def save_eagle3(model: Eagle3DraftModel, out_dir: str | os.PathLike, dtype: torch.dtype | None = None,
+                include_embeddings: bool = False) -> Path:
+    """Export the head in the layout vLLM and SGLang load (NOTES section 5), atomically (temp dir + rename).
+
+    Writes ``config.json`` (:func:`eagle3_config_dict`, ``tie_word_embeddings`` always false, ``torch_dtype`` =
+    the written dtype) and ``model.safetensors`` (:func:`head_state_dict`: ``midlayer.*``, ``fc.weight``
+    [H, 3*H_target], ``norm.weight``, ``lm_head.weight`` [draft_vocab, H], ``d2t`` int64, ``t2d`` bool).
+    An existing ``out_dir`` is replaced.
+
+    Args:
+        dtype: cast floating weights (e.g. torch.bfloat16); None keeps the model's.
+        include_embeddings: also write an owned ``embed_tokens.weight``.
+
+    Returns:
+        the output directory.
+    """
+    tensors = head_state_dict(model, dtype, include_embeddings)
+    config = eagle3_config_dict(model.config, _dtype_of(tensors, model.config.torch_dtype))
+    return _write_atomically(out_dir, {CONFIG_NAME: config, WEIGHTS_NAME: tensors})
+
+
+def speculators_config_dict(config: Eagle3Config, dtype_name: str | None = None,
+                            verifier_name_or_path: str | None = None,
+                            verifier_architectures: list[str] | None = None, speculative_tokens: int = 7) -> dict:
+    """``config.json`` of vLLM's speculators format (``Eagle3SpeculatorConfig``, read by vLLM's
+    ``SpeculatorsConfig``/``update_eagle3``).
+
+    ``norm_before_residual`` is written explicitly as false: vLLM defaults it to *true* when absent, which is a
+    different architecture from this head.
+    """
+    dtype_name = dtype_name or config.torch_dtype
+    return {
+        "architectures": ["Eagle3Speculator"],
+        "speculators_model_type": "eagle3",
+        "transformer_layer_config": _llama_fields(config, dtype_name),
+        "draft_vocab_size": config.draft_vocab_size,
+        "target_hidden_size": config.target_hidden_size,
+        "norm_before_residual": False,
+        "norm_before_fc": False,
+        "embed_requires_grad": False,
+        "eagle_aux_hidden_state_layer_ids": list(config.aux_layer_ids),
+        CONVENTION_KEY: AUX_IDS_CONVENTION,
+        "speculators_config": {
+            "algorithm": "eagle3",
+            "default_proposal_method": "greedy",
+            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": int(speculative_tokens),
+                                  "accept_tolerance": 0.0, "verifier_accept_k": 1}],
+            "verifier": {"name_or_path": verifier_name_or_path, "architectures": list(verifier_architectures or [])},
+        },
+        "torch_dtype": dtype_name,
+        "ssd_eagle": _ssd_block(config),
+    }
+
+
+def save_speculators(model: Eagle3DraftModel, out_dir: str | os.PathLike, dtype: torch.dtype | None = None,
+                     verifier_name_or_path: str | None = None, verifier_architectures: list[str] | None = None,
+                     speculative_tokens: int = 7, include_embeddings: bool = False) -> Path:
+    """Export in vLLM's speculators format (second export target, NOTES section 5), atomically.
+
+    Weights as :func:`save_eagle3` but with ``layers.0.*`` instead of ``midlayer.*`` (``Eagle3Speculator``
+    naming); config from :func:`speculators_config_dict`.
+    """
+    tensors = {_to_speculators_name(k): v for k, v in head_state_dict(model, dtype, include_embeddings).items()}
+    config = speculators_config_dict(model.config, _dtype_of(tensors, model.config.torch_dtype),
+                                     verifier_name_or_path, verifier_architectures, speculative_tokens)
+    return _write_atomically(out_dir, {CONFIG_NAME: config, WEIGHTS_NAME: tensors})
+
+
+def _to_speculators_name(name: str) -> str:
+    return "layers.0." + name[len("midlayer."):] if name.startswith("midlayer.") else name
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# reading
+
+def read_checkpoint_tensors(path: str | os.PathLike) -> dict[str, torch.Tensor]:
+    """All tensors of a checkpoint directory: ``model.safetensors``, sharded ``*.safetensors`` with an index,
+    any single ``*.safetensors``, or ``pytorch_model.bin`` (loaded with ``weights_only=True``).
+
+    Raises:
+        FileNotFoundError: no weight file.
+        ValueError: a tensor name repeated across shards.
+    """
+    path = Path(path)
+    if (path / WEIGHTS_NAME).exists():
+        return load_file(str(path / WEIGHTS_NAME))
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    else:
+        shards = sorted(p.name for p in path.glob("*.safetensors"))
+    if shards:
+        out: dict[str, torch.Tensor] = {}
+        for shard in shards:
+            part = load_file(str(path / shard))
+            dup = set(part) & set(out)
+            if dup:
+                raise ValueError(f"tensors {sorted(dup)} appear in more than one shard of {path}")
+            out.update(part)
+        return out
+    if (path / "pytorch_model.bin").exists():
+        state = torch.load(path / "pytorch_model.bin", map_location="cpu", weights_only=True)
+        return {k: v for k, v in state.items()}
+    raise FileNotFoundError(f"no model.safetensors, *.safetensors or pytorch_model.bin in {path}")
+
+
+def canonical_tensor_name(name: str) -> str:
+    """Map a public layout's tensor name to ours: strip a ``model.`` prefix (some SpecForge exports),
+    ``layers.0.`` -> ``midlayer.`` (speculators), ``draft_id_to_target_id`` -> ``d2t`` (vLLM's name)."""
+    if name.startswith("model."):
+        name = name[len("model."):]
+    if name.startswith("layers.0."):
+        name = "midlayer." + name[len("layers.0."):]
+    if name == "draft_id_to_target_id":
+        name = "d2t"
+    return name
+
+
+def _llama_from_dict(d: dict, where: str) -> LlamaConfig:
+    missing = [k for k in _REQUIRED_LLAMA_KEYS if d.get(k) is None]
+    if missing:
+        raise ValueError(f"{where} lacks {missing}")
+    model_type = d.get("model_type", "llama")
+    if model_type != "llama":
+        raise ValueError(f"{where}: model_type {model_type!r} is not supported (Llama-architecture heads only)")
+    return LlamaConfig(**{k: d[k] for k in _LLAMA_KEYS if d.get(k) is not None})
+
+
+def _aux_ids(ids, convention: str | None, target_config, where: str) -> tuple[int, int, int]:
+    if ids is None:
+        if target_config is None:
+            raise ValueError(f"{where} records no aux layer ids: pass target_config to use the EAGLE-3 default "
+                             "(2, L//2, L-3)")
+        return default_aux_layer_ids(text_config(target_config).num_hidden_layers)
+    ids = tuple(int(i) for i in ids)
+    if convention in (None, "input_of_layer"):
+        return ids
+    if convention == "output_of_layer":
+        return tuple(i + 1 for i in ids)
+    raise ValueError(f"{where}: unknown aux layer id convention {convention!r}")
+
+
+def eagle3_config_from_dict(cfg: dict, target_config=None, dtype_name: str | None = None) -> Eagle3Config:
+    """Parse a head's ``config.json`` (our export, the EAGLE reference / SpecForge layout, or speculators).
+
+    Raises:
+        ValueError: not an EAGLE-3 head we can run (several layers, non-Llama layer, ``norm_before_residual`` or
+            ``norm_before_fc`` speculators variants, no aux ids and no target, unknown aux-id convention).
+    """
+    if "speculators_model_type" in cfg:
+        if cfg["speculators_model_type"] != "eagle3":
+            raise ValueError(f"speculators_model_type {cfg['speculators_model_type']!r} is not eagle3")
+        layer = cfg.get("transformer_layer_config") or {}
+        where = "speculators config"
+        for flag in ("norm_before_residual", "norm_before_fc"):
+            if cfg.get(flag):
+                raise ValueError(f"{where}: {flag}=true is a different architecture from this head")
+        ids = cfg.get("eagle_aux_hidden_state_layer_ids")
+        num_layers = layer.get("num_hidden_layers", 1)
+    else:
+        layer, where = cfg, "config.json"
+        arch = cfg.get("architectures") or []
+        if arch and not set(arch) & set(EAGLE3_ARCHITECTURES):
+            raise ValueError(f"{where}: architectures {arch} is not an EAGLE-3 head ({list(EAGLE3_ARCHITECTURES)})")
+        ids = (cfg.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+        if ids is None:
+            ids = cfg.get("eagle_aux_hidden_state_layer_ids")
+        num_layers = cfg.get("num_hidden_layers", 1)
+    if num_layers != 1:
+        raise ValueError(f"{where}: num_hidden_layers={num_layers}, only one-layer EAGLE-3 heads are supported")
+    llama = _llama_from_dict(layer, where)
+    ssd = cfg.get("ssd_eagle") or {}
+    dtype_name = dtype_name or cfg.get("torch_dtype") or cfg.get("dtype") or layer.get("torch_dtype") or "float32"
+    return Eagle3Config(
+        hidden_size=llama.hidden_size,
+        intermediate_size=llama.intermediate_size,
+        num_attention_heads=llama.num_attention_heads,
+        num_key_value_heads=llama.num_key_value_heads,
+        head_dim=llama.head_dim,
+        rms_norm_eps=llama.rms_norm_eps,
+        hidden_act=llama.hidden_act,
+        max_position_embeddings=llama.max_position_embeddings,
+        rope_parameters=normalize_rope_parameters(llama.rope_parameters),
+        vocab_size=llama.vocab_size,
+        draft_vocab_size=cfg.get("draft_vocab_size") or llama.vocab_size,
+        target_hidden_size=cfg.get("target_hidden_size") or llama.hidden_size,
+        aux_layer_ids=_aux_ids(ids, cfg.get(CONVENTION_KEY), target_config, where),
+        attention_bias=llama.attention_bias,
+        mlp_bias=llama.mlp_bias,
+        torch_dtype=dtype_name,
+        saguaro_c=ssd.get("saguaro_c"),
+        saguaro_fanout=ssd.get("saguaro_fanout"),
+        extra=dict(ssd.get("extra") or {}),
+    )
+
+
+def load_eagle3(path: str | os.PathLike, target_config=None, strict: bool = True, dtype: torch.dtype | None = None,
+                device: torch.device | str = "cpu", attn_implementation: str = "sdpa") -> Eagle3DraftModel:
+    """Load an EAGLE-3 head from our export or a public layout (see the module docstring).
+
+    Args:
+        path: checkpoint directory (``config.json`` + weights).
+        target_config: the target's transformers config; when given the head is validated against it
+            (:meth:`Eagle3Config.validate_against_target`) and it supplies default aux ids to configs that lack them.
+        strict: unexpected tensors raise (True) or are skipped with a warning (False). Missing tensors always raise.
+        dtype: floating dtype of the model; None = the checkpoint's (``lm_head.weight``'s).
+        device: where the model goes.
+
+    Returns:
+        an :class:`Eagle3DraftModel` in eval mode; embeddings still to attach with ``set_embeddings`` unless the
+        checkpoint carried ``embed_tokens.weight``.
+
+    Raises:
+        FileNotFoundError: no config or weights.
+        ValueError: missing tensors (listed) -- in particular no ``lm_head.weight`` (a head whose output layer would
+            come from the target is refused), or no ``d2t``/``t2d`` while ``draft_vocab_size < vocab_size``;
+            unexpected tensors under ``strict`` (listed); tensor shapes that do not fit the config (listed); an
+            inconsistent ``d2t``/``t2d`` pair; a config mismatch with the target.
+    """
+    path = Path(path)
+    config_path = path / CONFIG_NAME
+    if not config_path.exists():
+        raise FileNotFoundError(f"no {CONFIG_NAME} in {path}")
+    raw = read_checkpoint_tensors(path)
+    tensors: dict[str, torch.Tensor] = {}
+    for name, tensor in raw.items():
+        canonical = canonical_tensor_name(name)
+        if canonical in tensors:
+            raise ValueError(f"checkpoint holds {canonical!r} twice (as {name!r})")
+        tensors[canonical] = tensor
+    cfg = eagle3_config_from_dict(json.loads(config_path.read_text()), target_config,
+                                  _dtype_of(tensors, "float32") if dtype is None else str(dtype).removeprefix("torch."))
+    if target_config is not None:
+        cfg.validate_against_target(target_config)
+
+    if "lm_head.weight" not in tensors:
+        raise ValueError(f"{path}: no lm_head.weight; heads that borrow the target's output layer are refused "
+                         "(their logits would not be the trained draft's)")
+    if "d2t" not in tensors or "t2d" not in tensors:
+        if cfg.draft_vocab_size != cfg.vocab_size:
+            absent = [k for k in ("d2t", "t2d") if k not in tensors]
+            raise ValueError(f"{path}: missing {absent} while draft_vocab_size {cfg.draft_vocab_size} < vocab_size "
+                             f"{cfg.vocab_size}; the mapping cannot be regenerated for a trained lm_head")
+        if "d2t" in tensors or "t2d" in tensors:
+            raise ValueError(f"{path}: only one of d2t/t2d is present")
+        tensors["d2t"] = torch.zeros(cfg.draft_vocab_size, dtype=torch.long)
+        tensors["t2d"] = torch.ones(cfg.vocab_size, dtype=torch.bool)
+
+    model = Eagle3DraftModel(cfg, attn_implementation=attn_implementation).to(cfg.dtype)
+    embed = tensors.pop(EMBED_NAME, None)
+    expected = model.state_dict()
+    missing = sorted(set(expected) - set(tensors))
+    unexpected = sorted(set(tensors) - set(expected))
+    if missing:
+        raise ValueError(f"{path}: missing tensors {missing}")
+    if unexpected:
+        if strict:
+            raise ValueError(f"{path}: unexpected tensors {unexpected}")
+        warnings.warn(f"{path}: skipping unexpected tensors {unexpected}", stacklevel=2)
+        for name in unexpected:
+            del tensors[name]
+    bad = [f"{k}: checkpoint {tuple(v.shape)} != expected {tuple(expected[k].shape)}"
+           for k, v in tensors.items() if v.shape != expected[k].shape]
+    if bad:
+        raise ValueError(f"{path}: tensor shapes do not fit the config: " + "; ".join(bad))
+    tensors["d2t"] = tensors["d2t"].to(torch.long)
+    tensors["t2d"] = tensors["t2d"].to(torch.bool)
+    check_vocab_mapping(tensors["d2t"], tensors["t2d"], cfg.vocab_size)
+    model.load_state_dict({k: (v.to(cfg.dtype) if v.is_floating_point() else v) for k, v in tensors.items()},
+                          strict=True)
+    if embed is not None:
+        model.set_owned_embeddings(embed.to(cfg.dtype))
+    return model.to(device).eval()
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# engine weight-name maps
+#
+# vLLM: transcribed from vllm-project/vllm vllm/model_executor/models/llama_eagle3.py at commit
+#   00bd1493b3e82d6c13c68ee8a0e1c5a96707e190 (Eagle3LlamaForCausalLM.load_weights + LlamaModel.load_weights):
+#   "t2d" skipped; "d2t" -> "draft_id_to_target_id"; every other name without "lm_head" gets "model.";
+#   "midlayer." -> "layers.0."; q/k/v_proj stacked into qkv_proj (shards "q","k","v"), gate/up_proj into
+#   gate_up_proj (shards 0, 1). embed_tokens is loaded only when present (else shared from the target).
+# SGLang: transcribed from sgl-project/sglang python/sglang/srt/models/llama_eagle3.py at commit
+#   03d5a7771f6082e7737a5f19cae7d1e863087013 (LlamaForCausalLMEagle3.load_weights): "d2t" becomes the attribute
+#   hot_token_id = d2t + arange(draft_vocab) (not a parameter); "t2d" skipped; the same q/k/v and gate/up stacking;
+#   a name is used as is when it is a parameter, else with "model." prepended, and names matching no parameter are
+#   skipped silently. Parameters keep the name "midlayer" (model.midlayer.*).
+# Both loaders drop unknown names without error (SGLang by design; vLLM through its skip lists), so the functions
+# below raise on any tensor that would not land on a parameter.
+
+_STACKED = ((".qkv_proj", ".q_proj", "q"), (".qkv_proj", ".k_proj", "k"), (".qkv_proj", ".v_proj", "v"),
+            (".gate_up_proj", ".gate_proj", 0), (".gate_up_proj", ".up_proj", 1))
+_SHARD_ORDER = {".qkv_proj": ("q", "k", "v"), ".gate_up_proj": (0, 1)}
+
+VLLM_EMBED = "model.embed_tokens.weight"
+SGLANG_EMBED = "model.embed_tokens.weight"
+SGLANG_HOT_TOKEN_ID = "hot_token_id"
+
+
+def vllm_param_layout(config: Eagle3Config) -> dict[str, tuple[tuple[int, ...], torch.dtype | None]]:
+    """Parameters of vLLM's ``Eagle3LlamaForCausalLM`` for this head (bias-free, one layer, aux hidden states on,
+    no parallel drafting): name -> (shape, dtype; None = the model's floating dtype). ``model.embed_tokens.weight``
+    is included; it is optional in a checkpoint."""
+    h, ht, i, hd = config.hidden_size, config.target_hidden_size, config.intermediate_size, config.head_dim
+    nh, nkv, dv = config.num_attention_heads, config.num_key_value_heads, config.draft_vocab_size
+    p = "model.layers.0."
+    return {
+        VLLM_EMBED: ((config.vocab_size, h), None),
+        p + "self_attn.qkv_proj.weight": (((nh + 2 * nkv) * hd, 2 * h), None),
+        p + "self_attn.o_proj.weight": ((h, nh * hd), None),
+        p + "mlp.gate_up_proj.weight": ((2 * i, h), None),
+        p + "mlp.down_proj.weight": ((h, i), None),
+        p + "input_layernorm.weight": ((h,), None),
+        p + "hidden_norm.weight": ((h,), None),
+        p + "post_attention_layernorm.weight": ((h,), None),
+        "model.fc.weight": ((h, 3 * ht), None),
+        "model.norm.weight": ((h,), None),
+        "lm_head.weight": ((dv, h), None),
+        "draft_id_to_target_id": ((dv,), torch.long),
+    }
+
+
+def sglang_param_layout(config: Eagle3Config) -> dict[str, tuple[tuple[int, ...], torch.dtype | None]]:
+    """Parameters of SGLang's ``LlamaForCausalLMEagle3`` for this head, plus its ``hot_token_id`` attribute
+    (int64 [draft_vocab]): name -> (shape, dtype; None = floating). ``model.embed_tokens.weight`` is optional."""
+    layout = {k.replace("model.layers.0.", "model.midlayer."): v for k, v in vllm_param_layout(config).items()
+              if k != "draft_id_to_target_id"}
+    layout[SGLANG_HOT_TOKEN_ID] = ((config.draft_vocab_size,), torch.long)
+    return layout
+
+
+_VLLM_PARAMS = frozenset(vllm_param_layout(Eagle3Config(
+    hidden_size=8, intermediate_size=8, num_attention_heads=1, num_key_value_heads=1, head_dim=8, rms_norm_eps=1e-6,
+    hidden_act="silu", max_position_embeddings=8, rope_parameters={}, vocab_size=8, draft_vocab_size=8,
+    target_hidden_size=8, aux_layer_ids=(0, 1, 2))))
+_SGLANG_PARAMS = frozenset(k.replace("model.layers.0.", "model.midlayer.") for k in _VLLM_PARAMS
+                           if k != "draft_id_to_target_id")
+
+
+def vllm_route(name: str) -> tuple[str, str | int | None] | None:
+    """Where vLLM's EAGLE-3 loader puts checkpoint tensor ``name``: (parameter, shard id or None), or None when
+    it skips it (``t2d``). Accepts our names and speculators' ``layers.0.*`` names."""
+    if "t2d" in name:
+        return None
+    if "d2t" in name:
+        return name.replace("d2t", "draft_id_to_target_id"), None
+    if "lm_head" not in name:
+        name = "model." + name
+    if "midlayer." in name:
+        name = name.replace("midlayer.", "layers.0.")
+    for param_name, shard_name, shard_id in _STACKED:
+        if shard_name in name:
+            return name.replace(shard_name, param_name), shard_id
+    return name, None
+
+
+def sglang_route(name: str) -> tuple[str, str | int | None] | None:
+    """Where SGLang's EAGLE-3 loader puts checkpoint tensor ``name``: (parameter, shard id or None),
+    (``"hot_token_id"``, None) for ``d2t``, or None when it skips it (``t2d``, and silently any name that matches
+    no parameter)."""
+    if "d2t" in name:
+        return SGLANG_HOT_TOKEN_ID, None
+    if "t2d" in name:
+        return None
+    shard_id = None
+    for param_name, shard_name, sid in _STACKED:
+        if shard_name in name:
+            name, shard_id = name.replace(shard_name, param_name), sid
+            break
+    param = name if name in _SGLANG_PARAMS else f"model.{name}"
+    return (param, shard_id) if param in _SGLANG_PARAMS else None
+
+
+def _apply_routes(state_dict: dict[str, torch.Tensor], route, params: frozenset, engine: str,
+                  transform=None) -> dict[str, torch.Tensor]:
+    dropped, shards, out = [], {}, {}
+    for name, tensor in state_dict.items():
+        target = route(name)
+        if target is None:
+            if "t2d" not in name:
+                dropped.append(name)
+            continue
+        param, shard_id = target
+        if param not in params:
+            dropped.append(name)
+            continue
+        if shard_id is None:
+            if param in out:
+                raise ValueError(f"{engine}: two tensors land on {param}")
+            out[param] = transform(param, tensor) if transform else tensor
+        else:
+            shards.setdefault(param, {})
+            if shard_id in shards[param]:
+                raise ValueError(f"{engine}: shard {shard_id!r} of {param} given twice")
+            shards[param][shard_id] = tensor
+    if dropped:
+        raise ValueError(f"{engine} would silently drop {sorted(dropped)}")
+    for param, parts in shards.items():
+        order = next(o for suffix, o in _SHARD_ORDER.items() if suffix in param)
+        if set(parts) != set(order):
+            raise ValueError(f"{engine}: {param} needs shards {list(order)}, got {sorted(map(str, parts))}")
+        out[param] = torch.cat([parts[s] for s in order], dim=0)
+    return out
+
+
+def to_vllm_names(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """What vLLM's ``Eagle3LlamaForCausalLM`` holds after loading ``state_dict`` (checkpoint names, ours or
+    speculators'): parameter name -> tensor, q/k/v concatenated into ``qkv_proj``, gate/up into ``gate_up_proj``,
+    ``d2t`` as ``draft_id_to_target_id``; ``t2d`` is dropped (vLLM ignores it).
+
+    Raises:
+        ValueError: a tensor would land on no parameter (vLLM's silent skip), or stacked shards are incomplete.
+    """
+    return _apply_routes(state_dict, vllm_route, _VLLM_PARAMS, "vLLM")
+
+
+def to_sglang_names(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """What SGLang's ``LlamaForCausalLMEagle3`` holds after loading ``state_dict``: parameter name -> tensor
+    (stacked like vLLM, names ``model.midlayer.*``) plus ``"hot_token_id"`` = ``d2t + arange`` (int64); ``t2d`` is
+    dropped.
+
+    Raises:
+        ValueError: a tensor would land on no parameter (SGLang skips it silently), or shards are incomplete.
+    """
+    def hot(param, tensor):
+        if param != SGLANG_HOT_TOKEN_ID:
+            return tensor
+        return tensor + torch.arange(tensor.shape[0], dtype=tensor.dtype)
+    return _apply_routes(state_dict, sglang_route, _SGLANG_PARAMS | {SGLANG_HOT_TOKEN_ID}, "SGLang", hot)
+
+
+def _split_engine_state(engine: dict[str, torch.Tensor], config: Eagle3Config, layer_prefix: str,
+                        d2t: torch.Tensor) -> dict[str, torch.Tensor]:
+    nh, nkv, hd, i = (config.num_attention_heads, config.num_key_value_heads, config.head_dim,
+                      config.intermediate_size)
+    out = {}
+    for name, tensor in engine.items():
+        if not name.startswith(("model.", "lm_head")):
+            continue
+        if name.endswith("self_attn.qkv_proj.weight"):
+            q, k, v = torch.split(tensor, [nh * hd, nkv * hd, nkv * hd], dim=0)
+            for proj, part in (("q", q), ("k", k), ("v", v)):
+                out[f"midlayer.self_attn.{proj}_proj.weight"] = part.clone()
+        elif name.endswith("mlp.gate_up_proj.weight"):
+            gate, up = torch.split(tensor, [i, i], dim=0)
+            out["midlayer.mlp.gate_proj.weight"], out["midlayer.mlp.up_proj.weight"] = gate.clone(), up.clone()
+        else:
+            key = name[len("model."):] if name.startswith("model.") else name
+            out[key.replace(layer_prefix, "midlayer.")] = tensor
+    out["d2t"] = d2t.to(torch.long)
+    t2d = torch.zeros(config.vocab_size, dtype=torch.bool)
+    t2d[torch.arange(d2t.numel()) + d2t] = True
+    out["t2d"] = t2d
+    return out
+
+
+def from_vllm_names(engine: dict[str, torch.Tensor], config: Eagle3Config) -> dict[str, torch.Tensor]:
+    """Inverse of :func:`to_vllm_names`: back to our checkpoint names (``t2d`` rebuilt from ``d2t``)."""
+    return _split_engine_state(engine, config, "layers.0.", engine["draft_id_to_target_id"])
+
+
+def from_sglang_names(engine: dict[str, torch.Tensor], config: Eagle3Config) -> dict[str, torch.Tensor]:
+    """Inverse of :func:`to_sglang_names`: back to our checkpoint names (``d2t = hot_token_id - arange``,
+    ``t2d`` rebuilt)."""
+    hot = engine[SGLANG_HOT_TOKEN_ID]
+    return _split_engine_state(engine, config, "midlayer.", hot - torch.arange(hot.shape[0], dtype=hot.dtype))
