@@ -122,6 +122,9 @@ def test_llama3_trimmed_content_and_prompt_only(llama3):
     sample = assistant_mask(conv(("user", "  q  "), ("assistant", "\n  answer with spaces \n")), llama3)
     assert masked_runs(llama3, sample) == ["answer with spaces<|eot_id|>"]
     assert llama3.decode(sample["input_ids"][:1]) == "<|begin_of_text|>"
+    # "Hi " is trimmed to "Hi" in its own turn; the untrimmed text only occurs later, in a user turn
+    sample = assistant_mask(conv(("user", "q"), ("assistant", "Hi "), ("user", "Hi there"), ("assistant", "ok")), llama3)
+    assert masked_runs(llama3, sample) == ["Hi<|eot_id|>", "ok<|eot_id|>"]
     prompt_only = assistant_mask(conv(("user", "just a prompt")), llama3)
     assert sum(prompt_only["loss_mask"]) == 0
 
@@ -131,6 +134,11 @@ def test_conversation_opening_with_assistant(smol):
     # the search falls back to the in-order cursor
     messages = conv(("assistant", "I start."), ("user", "ok"), ("assistant", "fine"))
     assert masked_runs(smol, assistant_mask(messages, smol)) == ["I start.<|im_end|>", "fine<|im_end|>"]
+
+
+def test_empty_assistant_content_masks_only_end_of_turn(smol):
+    sample = assistant_mask(conv(("user", "q"), ("assistant", ""), ("user", "again"), ("assistant", "x")), smol)
+    assert masked_runs(smol, sample) == ["<|im_end|>", "x<|im_end|>"]
 
 
 def test_template_that_rewrites_content_raises(smol):

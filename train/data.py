@@ -260,55 +260,69 @@ def _render(tokenizer, messages: list[Message], chat_template: str | None, add_g
     return text
 
 
-def _find_content(rendered: str, content: str, start: int) -> tuple[int, int] | None:
-    pos = rendered.find(content, start)
+def _find_content(rendered: str, content: str, start: int, end: int | None = None) -> tuple[int, int] | None:
+    end = len(rendered) if end is None else end
+    pos = rendered.find(content, start, end)
     if pos >= 0:
         return pos, pos + len(content)
     stripped = content.strip()  # many templates trim message content (e.g. Llama-3's `| trim`)
     if stripped != content:
-        pos = rendered.find(stripped, start)
+        pos = rendered.find(stripped, start, end)
         if pos >= 0:
             return pos, pos + len(stripped)
     return None
+
+
+def _prefix_length(tokenizer, rendered: str, messages: list[Message], chat_template: str | None,
+                   add_generation_prompt: bool) -> int | None:
+    """Length of the rendering of ``messages`` if it is a prefix of ``rendered``, else None."""
+    try:
+        prefix = _render(tokenizer, messages, chat_template, add_generation_prompt)
+    except Exception:  # noqa: BLE001 - some templates refuse partial conversations; the caller falls back
+        return None
+    return len(prefix) if rendered.startswith(prefix) else None
 
 
 def assistant_char_spans(messages: list[Message], tokenizer, chat_template: str | None = None
                          ) -> tuple[str, list[tuple[int, int]]]:
     """Render ``messages`` with the chat template and locate each assistant content in the rendering, in order.
 
-    The search for assistant turn ``i`` starts after the previous assistant content and, when the rendering of
-    ``messages[:i]`` with the generation prompt is a prefix of the full rendering (true for ChatML and Llama-3
-    templates), after that prefix, i.e. after the assistant role header. Otherwise it starts after the last
-    located message of any role. A content the template trims is found by its stripped text.
+    Window of assistant message ``i``: when the rendering of ``messages[:i]`` with the generation prompt is a prefix
+    of the full rendering (true for ChatML and Llama-3 templates), the search starts at its end, i.e. after the
+    assistant role header, and, when the rendering of ``messages[:i + 1]`` is a prefix too, it ends there (the
+    content must lie inside its own turn). Otherwise the search starts after the last located message of any role
+    (non-assistant contents are located opportunistically). The content is searched verbatim, then stripped of
+    surrounding whitespace (templates that ``trim``); an empty content is only accepted inside an anchored window.
 
     Returns:
-        ``(rendered_text, spans)``: one ``(start, end)`` character span per assistant message.
+        ``(rendered_text, spans)``: one ``(start, end)`` character span per assistant message, increasing.
 
     Raises:
-        ValueError: an assistant content does not appear in the rendering (e.g. the template rewrites it).
+        ValueError: an assistant content does not appear in its window (e.g. the template rewrites it).
     """
     rendered = _render(tokenizer, messages, chat_template, add_generation_prompt=False)
     spans: list[tuple[int, int]] = []
     cursor = 0  # end of the last located message (any role)
     last_assistant_end = 0
     for i, message in enumerate(messages):
+        content = message["content"]
         if message["role"] != "assistant":
-            found = _find_content(rendered, message["content"], cursor) if message["content"] else None
+            found = _find_content(rendered, content, cursor) if content.strip() else None
             if found is not None:
                 cursor = found[1]
             continue
-        start = cursor
-        try:  # optional anchor: the rendering up to this turn's generation prompt (ends after the role header)
-            prefix = _render(tokenizer, messages[:i], chat_template, add_generation_prompt=True)
-        except Exception:  # noqa: BLE001 - some templates refuse partial conversations; fall back to the cursor
-            prefix = None
-        if prefix is not None and rendered.startswith(prefix):
-            start = max(last_assistant_end, len(prefix))
-        found = _find_content(rendered, message["content"], start)
+        anchor = _prefix_length(tokenizer, rendered, messages[:i], chat_template, add_generation_prompt=True)
+        if anchor is not None:
+            start = max(last_assistant_end, anchor)
+            end = _prefix_length(tokenizer, rendered, messages[:i + 1], chat_template, add_generation_prompt=False)
+            found = _find_content(rendered, content, start, end if end is not None and end >= start else None)
+        else:
+            found = _find_content(rendered, content, cursor) if content.strip() else None
         if found is None:
             raise ValueError(
-                f"assistant message {i} ({message['content'][:60]!r}...) cannot be located in the chat template's "
-                "rendering; the template may rewrite message content")
+                f"assistant message {i} ({content[:60]!r}) cannot be located in the chat template's rendering; "
+                "the template may rewrite message content" + ("" if content.strip() else
+                                                              " (an empty content needs a prefix-stable template)"))
         spans.append(found)
         cursor = last_assistant_end = found[1]
     return rendered, spans
