@@ -316,3 +316,18 @@ def test_shallow_target_default_ids_are_distinct():
     cfg = Eagle3Config.from_target(target_config(num_hidden_layers=2), DRAFT_VOCAB)
     assert cfg.aux_layer_ids == (0, 1, 2)
     cfg.validate_against_target(target_config(num_hidden_layers=2))
+
+
+def test_per_layer_type_rope_uses_full_attention_entry():
+    from transformers import Gemma3TextConfig
+    tc = Gemma3TextConfig(vocab_size=VOCAB, hidden_size=H, num_attention_heads=4, num_key_value_heads=1,
+                          head_dim=8, num_hidden_layers=6, intermediate_size=48)
+    cfg = Eagle3Config.from_target(tc, DRAFT_VOCAB)
+    assert cfg.rope_parameters == {"rope_type": "default", "rope_theta": 1000000.0}
+    assert cfg.hidden_act == "gelu_pytorch_tanh"
+    cfg.validate_against_target(tc)
+
+
+def test_unknown_attention_implementation_is_refused():
+    with pytest.raises(ValueError, match="attn_implementation"):
+        Eagle3DraftModel(Eagle3Config.from_target(target_config(), DRAFT_VOCAB), attn_implementation="flash")

@@ -59,11 +59,17 @@ def normalize_rope_parameters(rope: dict | None, rope_theta: float | None = None
 
 
 def rope_parameters_of(config) -> dict:
-    """The rope settings of a transformers config, normalized (v5 ``rope_parameters`` or legacy fields)."""
+    """The rope settings of a transformers config, normalized (v5 ``rope_parameters`` or legacy fields).
+
+    Models with per-layer-type rope (v5 Gemma3: ``{"full_attention": {...}, "sliding_attention": {...}}``) give
+    the ``full_attention`` entry, the rope of their global-attention layers.
+    """
     config = text_config(config)
     rope = getattr(config, "rope_parameters", None)
     if rope is None:
         rope = getattr(config, "rope_scaling", None)
+    if rope and all(isinstance(v, dict) for v in rope.values()):
+        rope = rope.get("full_attention") or next(iter(rope.values()))
     return normalize_rope_parameters(rope, getattr(config, "rope_theta", None))
 
 
@@ -152,7 +158,7 @@ class Eagle3Config:
             num_key_value_heads=getattr(t, "num_key_value_heads", None) or t.num_attention_heads,
             head_dim=head_dim,
             rms_norm_eps=t.rms_norm_eps,
-            hidden_act=getattr(t, "hidden_act", "silu"),
+            hidden_act=getattr(t, "hidden_act", None) or getattr(t, "hidden_activation", None) or "silu",
             max_position_embeddings=t.max_position_embeddings,
             rope_parameters=rope_parameters_of(t),
             vocab_size=t.vocab_size,
@@ -324,13 +330,18 @@ class Eagle3DraftModel(nn.Module):
 
     Args:
         config: the head's :class:`Eagle3Config`.
-        attn_implementation: transformers attention backend for the midlayer ("sdpa" or "eager").
+        attn_implementation: transformers attention backend for the midlayer, "sdpa" or "eager".
+
+    Raises:
+        ValueError: another attention implementation.
 
     Buffers: ``d2t`` int64 [draft_vocab] (identity by default), ``t2d`` bool [vocab].
     """
 
     def __init__(self, config: Eagle3Config, attn_implementation: str = "sdpa"):
         super().__init__()
+        if attn_implementation not in ("sdpa", "eager"):
+            raise ValueError(f"attn_implementation must be 'sdpa' or 'eager', got {attn_implementation!r}")
         self.config = config
         llama = config.to_llama_config()
         llama._attn_implementation = attn_implementation
