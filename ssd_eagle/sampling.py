@@ -93,13 +93,20 @@ def sample(probs: torch.Tensor, generators: list[torch.Generator | None]) -> tor
     return (probs / noise).argmax(dim=-1)
 
 
-def uniforms(shape_per_row: int, generators: list[torch.Generator | None], device, dtype) -> torch.Tensor:
-    """One row of ``shape_per_row`` U[0, 1) draws from each row's generator: [B, shape_per_row]."""
-    out = torch.empty(len(generators), shape_per_row, device=device, dtype=dtype)
-    if _one_stream(generators):
-        return out.uniform_(generator=generators[0] if generators else None)
-    for row, gen in enumerate(generators):
-        out[row].uniform_(generator=gen)
+def uniforms(counts: list[int], generators: list[torch.Generator | None], device, dtype) -> torch.Tensor:
+    """U[0, 1) draws: row b gets ``counts[b]`` from its own generator, so what a row consumes never depends on
+    the other rows of the batch (a seeded request reproduces whatever it is batched with).
+
+    Returns:
+        [B, max(counts)]; entries past a row's count are 0.
+    """
+    width = max(counts, default=0)
+    out = torch.zeros(len(generators), width, device=device, dtype=dtype)
+    if width and _one_stream(generators) and len(set(counts)) == 1:
+        return out.uniform_(generator=generators[0])
+    for row, (gen, n) in enumerate(zip(generators, counts)):
+        if n:
+            out[row, :n].uniform_(generator=gen)
     return out
 
 

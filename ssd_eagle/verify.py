@@ -61,7 +61,7 @@ def rejection_verify(
             or None for deterministic proposals (point masses).
         draft_tokens: int64 [B, K].
         num_draft: int64 [B], ``0 <= num_draft <= K``.
-        generators: one per row; the row draws K uniforms and one categorical sample per round from it.
+        generators: one per row; row b draws ``num_draft[b]`` uniforms and one categorical sample from it.
 
     Returns:
         (k, bonus): int64 [B] each.
@@ -70,7 +70,9 @@ def rejection_verify(
     device = p.device
     pos = torch.arange(K, device=device)
     valid = pos < num_draft[:, None]
-    u = uniforms(K, generators, device, p.dtype) if K else p.new_zeros(B, 0)
+    u = p.new_zeros(B, K)
+    drawn = uniforms(num_draft.tolist(), generators, device, p.dtype)
+    u[:, : drawn.shape[1]] = drawn
     p_x = p[:, :K].gather(-1, draft_tokens[..., None]).squeeze(-1)
     q_x = torch.ones_like(p_x) if q is None else q.gather(-1, draft_tokens[..., None]).squeeze(-1)
     accept = (u * q_x < p_x) & valid

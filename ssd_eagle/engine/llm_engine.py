@@ -129,7 +129,7 @@ class LLMEngine:
         live = [s for s in self.running if not s.finished]
         if live:
             self._round(live)
-            touched.extend(live)
+            touched.extend(s for s in live if s not in touched)
         outputs = [self._report(seq) for seq in touched]
         for seq in touched:
             if seq.finished:
