@@ -36,7 +36,16 @@ class SpeculativeConfig:
         num_speculative_tokens: K, draft tokens per round (>= 1).
         prompt_lookup_min / prompt_lookup_max: n-gram suffix lengths (``ngram``).
         saguaro_c: Saguaro scale C in (0, 1] applied to the drafter's top-(F_k + 1) probabilities (1 = off).
-        fanout: F_k per position for Saguaro scaling (and, in SSD, the speculation cache's fan-out).
+        fanout: F_0..F_K for the speculation cache (SSD) and Saguaro scaling; a single value means uniform, a list
+            shorter than K + 1 repeats its last entry. Ignored when ``fanout_strategy`` computes it.
+        fanout_strategy: ``manual`` (use ``fanout``), ``uniform`` or ``geometric`` (from ``fanout_budget``,
+            ``fanout_acceptance`` a and ``fanout_power`` r; see :mod:`ssd_eagle.ssd.fanout`).
+        fanout_miss: a separate F_0..F_K after a cache miss (None: the same).
+        backup: SSD's backup speculator on a cache miss: ``neural``, ``fast`` (n-gram) or ``auto`` (fast from
+            ``fast_backup_batch`` rows up, neural below).
+        speculator: ``process`` (its own process and device, overlapping verification) or ``local`` (in the
+            verifier's process, no overlap; for debugging).
+        speculator_timeout: seconds the verifier waits for the speculator before falling back to plain decoding.
 
     Raises:
         ValueError: unknown key or out-of-range value, naming the key.
@@ -49,6 +58,15 @@ class SpeculativeConfig:
     prompt_lookup_max: int = 4
     saguaro_c: float = 1.0
     fanout: list[int] = field(default_factory=lambda: [3])
+    fanout_strategy: str = "manual"
+    fanout_budget: int = 24
+    fanout_acceptance: float = 0.7
+    fanout_power: float = 1.0
+    fanout_miss: list[int] | None = None
+    backup: str = "neural"
+    fast_backup_batch: int = 8
+    speculator: str = "process"
+    speculator_timeout: float = 60.0
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -67,6 +85,27 @@ class SpeculativeConfig:
         if not self.fanout or any(not isinstance(f, int) or f < 0 for f in self.fanout):
             raise ValueError(f"speculative_config.fanout must be a non-empty list of integers >= 0, "
                              f"got {self.fanout!r}")
+        if self.fanout_strategy not in ("manual", "uniform", "geometric"):
+            raise ValueError(f"speculative_config.fanout_strategy must be manual, uniform or geometric, "
+                             f"got {self.fanout_strategy!r}")
+        if self.backup not in ("neural", "fast", "auto"):
+            raise ValueError(f"speculative_config.backup must be neural, fast or auto, got {self.backup!r}")
+        if self.speculator not in ("process", "local"):
+            raise ValueError(f"speculative_config.speculator must be process or local, got {self.speculator!r}")
+
+    def resolved_fanout(self) -> list[int]:
+        """F_0..F_K (K + 1 entries) after applying ``fanout_strategy``."""
+        from ssd_eagle.ssd.fanout import geometric_fanout, uniform_fanout
+
+        K = self.num_speculative_tokens
+        if self.fanout_strategy == "uniform":
+            return uniform_fanout(self.fanout_budget, K)
+        if self.fanout_strategy == "geometric":
+            return geometric_fanout(self.fanout_budget, K, self.fanout_acceptance, self.fanout_power)
+        return _expand(self.fanout, K + 1)
+
+    def resolved_fanout_miss(self) -> list[int] | None:
+        return _expand(self.fanout_miss, self.num_speculative_tokens + 1) if self.fanout_miss else None
 
     @classmethod
     def from_dict(cls, data: dict) -> SpeculativeConfig:
@@ -90,6 +129,10 @@ class SpeculativeConfig:
         return asdict(self)
 
 
+def _expand(values: list[int], n: int) -> list[int]:
+    return (list(values) + [values[-1]] * n)[:n]
+
+
 @dataclass
 class EngineConfig:
     """Everything needed to build an engine.
@@ -103,7 +146,11 @@ class EngineConfig:
         max_model_len: longest prompt + output in tokens (default: the target's max positions).
         max_num_seqs: requests decoded together in one batch.
         seed: engine seed (requests without their own seed draw from it).
-        num_threads: torch intra-op threads (None: torch's default).
+        num_threads: torch intra-op threads of the target (None: torch's default).
+        draft_device: the speculator's device in SSD mode (``cpu`` or ``cuda:i``).
+        draft_threads: torch threads of the speculator process.
+        pin_cpus: in SSD mode with both on CPU, pin the verifier and the speculator to disjoint halves of the
+            cores (how the CPU benchmark stands in for separate hardware).
     """
 
     model: str = DEFAULT_MODEL
@@ -115,6 +162,9 @@ class EngineConfig:
     max_num_seqs: int = 8
     seed: int = 0
     num_threads: int | None = None
+    draft_device: str = "cpu"
+    draft_threads: int = 1
+    pin_cpus: bool = True
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -168,7 +218,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--model", default=DEFAULT_MODEL,
                    help="target model: local folder, packaged alias or hub id (default: %(default)s, packaged)")
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "float64", "bfloat16", "float16"])
-    g.add_argument("--device", default="cpu", help="target (verifier) device, e.g. cpu or cuda:0")
+    g.add_argument("--device", "--target-device", dest="device", default="cpu",
+                   help="target (verifier) device, e.g. cpu or cuda:0")
+    g.add_argument("--draft-device", default="cpu", help="speculator device in SSD mode, e.g. cpu or cuda:1")
+    g.add_argument("--draft-threads", type=int, default=1, help="torch threads of the SSD speculator process")
+    g.add_argument("--no-pin-cpus", dest="pin_cpus", action="store_false",
+                   help="SSD on CPU: do not pin verifier and speculator to disjoint cores")
     g.add_argument("--mode", default=None, choices=MODES,
                    help="ar: autoregressive; sd: speculative decoding; ssd: speculative speculative decoding "
                         "(default: configs/default_serving.yaml, else sd)")
@@ -199,4 +254,5 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         spec = SpeculativeConfig.from_dict({**spec.to_dict(), "num_speculative_tokens": args.num_speculative_tokens})
     return EngineConfig(model=args.model, dtype=args.dtype, device=args.device, mode=mode, speculative_config=spec,
                         max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs, seed=args.seed,
-                        num_threads=args.num_threads)
+                        num_threads=args.num_threads, draft_device=args.draft_device,
+                        draft_threads=args.draft_threads, pin_cpus=args.pin_cpus)

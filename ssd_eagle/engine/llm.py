@@ -119,6 +119,6 @@ def build_engine(config: EngineConfig) -> LLMEngine:
 
         spec = config.speculative_config
         K = spec.num_speculative_tokens
-        drafter = build_ssd_drafter(config, model)
+        drafter = build_ssd_drafter(config, model, max_model_len=max_model_len)
     return LLMEngine(model, tokenizer, drafter, num_speculative_tokens=K, max_num_seqs=config.max_num_seqs,
                      max_model_len=max_model_len, seed=config.seed)

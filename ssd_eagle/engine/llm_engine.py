@@ -190,7 +190,7 @@ class LLMEngine:
     def _round(self, seqs: list[Sequence]) -> None:
         t0 = time.perf_counter()
         budgets = [self._draft_budget(s) for s in seqs]
-        if self.drafter is not None and any(budgets):
+        if self.drafter is not None:  # called even with zero budgets: stateful drafters track every round
             proposals = self.drafter.propose(seqs, budgets)
         else:
             proposals = [Proposal([]) for _ in seqs]

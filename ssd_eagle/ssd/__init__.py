@@ -1,0 +1,83 @@
+"""Speculative speculative decoding (SSD) and its optimised algorithm Saguaro (Kumar, Dao, May 2026).
+
+- :mod:`~ssd_eagle.ssd.fanout`: geometric fan-out, the power-law fitter and the expected-value theory.
+- :mod:`~ssd_eagle.ssd.speculator`: the speculation cache, outcome prediction, branch drafting, backups.
+- :mod:`~ssd_eagle.ssd.backends`: the drafts a speculator runs (a draft LM, an EAGLE-3 head).
+- :mod:`~ssd_eagle.ssd.transport`, :mod:`~ssd_eagle.ssd.worker`: the speculator's own process and its messages.
+- :mod:`~ssd_eagle.ssd.client`: the verifier's side, a drafter with fallback to ordinary decoding.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+
+def load_draft_module(spec, target_model):
+    """The draft as a module: a causal LM (``draft_model``) or an EAGLE-3 head with the target's embeddings.
+
+    Raises:
+        ValueError: the method has no neural draft (n-gram), or the draft does not fit the target.
+    """
+    param = next(target_model.parameters())
+    if spec.method == "draft_model":
+        from ssd_eagle.assets import load_model
+
+        model, _ = load_model(spec.model, dtype=param.dtype)
+        vocab = model.get_output_embeddings().weight.shape[0]
+        if vocab != target_model.config.get_text_config().vocab_size:
+            raise ValueError(f"draft model vocabulary ({vocab}) must equal the target's")
+        return model
+    if spec.method == "eagle3":
+        from ssd_eagle.models.eagle3_formats import load_eagle3
+
+        head = load_eagle3(spec.model, target_config=target_model.config, dtype=param.dtype)
+        head.set_embeddings(target_model.get_input_embeddings())
+        return head
+    raise ValueError(f"SSD needs a neural draft (method 'draft_model' or 'eagle3'), got {spec.method!r}")
+
+
+def build_ssd_drafter(config, target_model, draft=None, max_model_len: int | None = None):
+    """The verifier-side SSD drafter for an :class:`~ssd_eagle.config.EngineConfig` (mode ``ssd``).
+
+    Args:
+        config: engine configuration (its ``speculative_config`` describes draft, fan-out, backup, Saguaro).
+        target_model: the target (for its embeddings, vocabulary and dtype).
+        draft: an already built draft module (default: loaded from ``speculative_config.model``).
+        max_model_len: longest sequence (default: the target's max positions).
+    """
+    from ssd_eagle.ssd.client import LocalSpeculator, RemoteSpeculator, SSDDrafter
+    from ssd_eagle.ssd.worker import SpeculatorSettings
+
+    spec = config.speculative_config
+    draft = draft if draft is not None else load_draft_module(spec, target_model)
+    cfg = target_model.config.get_text_config()
+    max_len = max_model_len or config.max_model_len or cfg.max_position_embeddings
+    K = spec.num_speculative_tokens
+    fanout = spec.resolved_fanout()
+    settings = SpeculatorSettings(
+        kind=spec.method, num_speculative_tokens=K, fanout=fanout, fanout_miss=spec.resolved_fanout_miss(),
+        backup=spec.backup, fast_backup_batch=spec.fast_backup_batch, saguaro_c=spec.saguaro_c,
+        prompt_lookup=(spec.prompt_lookup_min, spec.prompt_lookup_max), num_slots=config.max_num_seqs,
+        # path (K + 1) plus K steps of up to max(fanout) branches per outcome
+        max_len=max_len + 2 * (K + 1) + K * max(sum(fanout), sum(spec.resolved_fanout_miss() or fanout)),
+        device=config.draft_device, threads=config.draft_threads,
+        float_dtype=next(target_model.parameters()).dtype, vocab_size=cfg.vocab_size)
+    aux_ids = tuple(draft.config.aux_layer_ids) if spec.method == "eagle3" else None
+    if spec.speculator == "local":
+        speculator = LocalSpeculator(settings, draft)
+    else:
+        verifier_cpus = None
+        if config.pin_cpus and config.device == "cpu" and config.draft_device == "cpu":
+            cores = sorted(os.sched_getaffinity(0))
+            if len(cores) >= 2:
+                half = len(cores) // 2
+                verifier_cpus, settings.cpus = cores[:half], cores[half:]
+        if config.draft_device.startswith("cuda") and config.device.startswith("cuda") and \
+                torch.device(config.draft_device) != torch.device(config.device):
+            settings.dist_backend = "nccl"
+        speculator = RemoteSpeculator(settings, draft, timeout=spec.speculator_timeout, cpus=verifier_cpus,
+                                      verifier_device=config.device)
+    return SSDDrafter(speculator, needs_aux=spec.method == "eagle3", aux_layer_ids=aux_ids,
+                      draft_name=spec.method)

@@ -1,0 +1,193 @@
+"""Fan-out of the speculation cache, and the theory behind it (SSD paper, Sec. 4.1; Saguaro sampling, Sec. 4.2).
+
+After proposing K tokens, the speculator pre-drafts for outcomes "k accepted, bonus b" with b among the top-F_k
+draft tokens at position k (excluding the drafted token there, which would have been accepted). With per-token
+acceptance rate a, outcome k has probability ``a^k (1 - a)`` for k < K and ``a^K`` for k = K; if the bonus is
+covered with probability ``p_hit(F) = 1 - F^-r`` (a power law in the fan-out), maximising the expected hit rate
+under a budget ``sum_k F_k = B`` gives the geometric fan-out
+
+    F_k = F_0 a^(k / (1 + r))                           for k < K
+    F_K = F_0 a^(K / (1 + r)) (1 - a)^(-1 / (1 + r))    (the all-accepted outcome)
+
+with F_0 fixed by the budget. :func:`geometric_fanout` rounds it to integers by largest remainder (zeros allowed,
+sum exactly B). :func:`fit_power_law` estimates r from measured hit rates and :func:`fit_fanout` turns measured
+statistics into a fan-out.
+
+This module is also the one home for the expected-value theory of Saguaro sampling used by training (issue 7):
+:func:`expected_acceptance`, :func:`residual_coverage`, :func:`expected_cache_hit`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+
+def uniform_fanout(budget: int, num_speculative_tokens: int) -> list[int]:
+    """``budget`` spread evenly over the K + 1 outcomes (largest remainder: earlier positions get the extra).
+
+    Raises:
+        ValueError: budget < 0 or K < 1.
+    """
+    _check(budget, num_speculative_tokens)
+    n = num_speculative_tokens + 1
+    return [budget // n + (1 if i < budget % n else 0) for i in range(n)]
+
+
+def geometric_weights(num_speculative_tokens: int, acceptance_rate: float, power: float) -> list[float]:
+    """Unnormalised geometric fan-out ``F_k / F_0`` for k = 0..K (the formula in the module docstring)."""
+    a, r, K = acceptance_rate, power, num_speculative_tokens
+    w = [a ** (k / (1 + r)) for k in range(K)]
+    w.append(a ** (K / (1 + r)) * (1 - a) ** (-1 / (1 + r)))
+    return w
+
+
+def geometric_fanout(budget: int, num_speculative_tokens: int, acceptance_rate: float,
+                     power: float) -> list[int]:
+    """Integer geometric fan-out F_0..F_K summing exactly to ``budget`` (largest-remainder rounding).
+
+    Args:
+        budget: B, total branches per sequence (>= 0).
+        num_speculative_tokens: K (>= 1).
+        acceptance_rate: a in (0, 1).
+        power: r > 0 in ``1 - p_hit(F) = F^-r``.
+
+    Raises:
+        ValueError: a parameter out of range (named).
+    """
+    _check(budget, num_speculative_tokens)
+    if not 0.0 < acceptance_rate < 1.0:
+        raise ValueError(f"acceptance_rate must be in (0, 1), got {acceptance_rate}")
+    if not power > 0.0:
+        raise ValueError(f"power r must be > 0, got {power}")
+    return largest_remainder(geometric_weights(num_speculative_tokens, acceptance_rate, power), budget)
+
+
+def largest_remainder(weights: list[float], total: int) -> list[int]:
+    """Integers proportional to ``weights`` that sum exactly to ``total`` (Hamilton's method; ties to the
+    earlier index)."""
+    s = sum(weights)
+    exact = [w / s * total for w in weights]
+    floors = [math.floor(x) for x in exact]
+    order = sorted(range(len(weights)), key=lambda i: (-(exact[i] - floors[i]), i))
+    for i in order[: total - sum(floors)]:
+        floors[i] += 1
+    return floors
+
+
+def _check(budget: int, k: int) -> None:
+    if budget < 0:
+        raise ValueError(f"fan-out budget must be >= 0, got {budget}")
+    if k < 1:
+        raise ValueError(f"num_speculative_tokens must be >= 1, got {k}")
+
+
+def outcome_probabilities(num_speculative_tokens: int, acceptance_rate: float) -> list[float]:
+    """P(k accepted) for k = 0..K under i.i.d. per-token acceptance a: ``a^k (1-a)``, and ``a^K`` for k = K."""
+    a, K = acceptance_rate, num_speculative_tokens
+    return [a**k * (1 - a) for k in range(K)] + [a**K]
+
+
+def expected_hit_rate(fanout: list[int], acceptance_rate: float, power: float) -> float:
+    """Expected cache hit rate of a fan-out under the model: ``sum_k P(k) (1 - F_k^-r)`` (F = 0 never hits)."""
+    probs = outcome_probabilities(len(fanout) - 1, acceptance_rate)
+    return sum(p * (1.0 - f ** -power) for p, f in zip(probs, fanout) if f > 0)
+
+
+@dataclass(frozen=True)
+class PowerLawFit:
+    """``1 - p_hit(F) = c * F^-r`` fitted by least squares on log scale (c = 1 in the paper's model)."""
+
+    power: float
+    scale: float
+    points: int
+
+
+def fit_power_law(fanouts: list[int], hit_rates: list[float]) -> PowerLawFit:
+    """Fit r (and a scale c) from measured (F, hit rate) pairs: ``log(1 - h) = log c - r log F``.
+
+    Pairs with F < 1 or hit rate outside (0, 1) carry no information and are dropped.
+
+    Raises:
+        ValueError: fewer than two usable points.
+    """
+    pts = [(math.log(f), math.log(1.0 - h)) for f, h in zip(fanouts, hit_rates) if f >= 1 and 0.0 < h < 1.0]
+    if len(pts) < 2 or len({x for x, _ in pts}) < 2:
+        raise ValueError("fit_power_law needs at least two points with distinct F >= 1 and 0 < hit rate < 1")
+    n = len(pts)
+    mx = sum(x for x, _ in pts) / n
+    my = sum(y for _, y in pts) / n
+    slope = sum((x - mx) * (y - my) for x, y in pts) / sum((x - mx) ** 2 for x, _ in pts)
+    return PowerLawFit(power=-slope, scale=math.exp(my - slope * mx), points=n)
+
+
+def hit_rate_by_rank(ranks: list[int], max_fanout: int) -> tuple[list[int], list[float]]:
+    """Empirical ``p_hit(F)`` for F = 1..max_fanout from the rank of the true bonus token among the draft's
+    candidates at each observed rejection (rank 0 = the draft's best candidate; -1 or >= max_fanout = not among
+    them)."""
+    n = len(ranks)
+    fs = list(range(1, max_fanout + 1))
+    return fs, [sum(1 for r in ranks if 0 <= r < f) / n if n else 0.0 for f in fs]
+
+
+def fit_fanout(budget: int, num_speculative_tokens: int, acceptance_rate: float, bonus_ranks: list[int],
+               max_fanout: int = 32) -> tuple[list[int], PowerLawFit]:
+    """Pick the geometric fan-out from measured statistics: a from the acceptance rate, r from the ranks of the
+    true bonus tokens among the draft's candidates (:func:`hit_rate_by_rank`, :func:`fit_power_law`).
+
+    Raises:
+        ValueError: not enough distinct hit-rate points to fit r.
+    """
+    fs, hits = hit_rate_by_rank(bonus_ranks, max_fanout)
+    fit = fit_power_law(fs, hits)
+    a = min(max(acceptance_rate, 1e-3), 1 - 1e-3)
+    return geometric_fanout(budget, num_speculative_tokens, a, max(fit.power, 1e-3)), fit
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Saguaro sampling: expected values for one position, given the target's p and the draft's q (issue 7's theory)
+
+def saguaro_q(q: torch.Tensor, c: float, fanout: int) -> torch.Tensor:
+    """The draft distribution Saguaro samples from (same map as :func:`ssd_eagle.verify.saguaro_scale`)."""
+    from ssd_eagle.verify import saguaro_scale
+
+    return saguaro_scale(q, c, fanout)
+
+
+def expected_acceptance(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """P(draft token accepted) = ``sum_x min(p(x), q(x))`` for draft ~ q, target p. Shapes [..., V] -> [...]."""
+    return torch.minimum(p, q).sum(dim=-1)
+
+
+def residual_coverage(p: torch.Tensor, q: torch.Tensor, cached: torch.Tensor) -> torch.Tensor:
+    """P(bonus in ``cached`` | rejection): the residual ``norm(max(p - q, 0))``'s mass on the cached set.
+
+    Args:
+        p, q: [..., V]; cached: bool [..., V] (the speculator's candidate set at this position).
+
+    Returns:
+        [...]; 0 where the residual is empty (p == q).
+    """
+    residual = (p - q).clamp(min=0.0)
+    total = residual.sum(dim=-1)
+    return torch.where(total > 0, (residual * cached).sum(dim=-1) / total.clamp(min=1e-30), torch.zeros_like(total))
+
+
+def expected_cache_hit(p: torch.Tensor, q: torch.Tensor, cached: torch.Tensor) -> torch.Tensor:
+    """P(the round does not stall at this position) = P(accept) + P(reject) * coverage of the residual by the
+    cached set. Shapes [..., V] (cached bool) -> [...]."""
+    accept = expected_acceptance(p, q)
+    return accept + (1.0 - accept) * residual_coverage(p, q, cached)
+
+
+def candidate_set(q: torch.Tensor, drafted: torch.Tensor | None, fanout: int) -> torch.Tensor:
+    """The speculator's cached bonus candidates at a position: the top-``fanout`` tokens of q excluding the drafted
+    token (bool [..., V]). ``drafted``: int64 [...] or None (the all-accepted position: no exclusion)."""
+    scores = q.clone()
+    if drafted is not None:
+        scores.scatter_(-1, drafted[..., None], float("-inf"))
+    top = scores.topk(min(fanout, q.shape[-1]), dim=-1).indices
+    return torch.zeros_like(q, dtype=torch.bool).scatter_(-1, top, True) if fanout > 0 else \
+        torch.zeros_like(q, dtype=torch.bool)
