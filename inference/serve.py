@@ -1,0 +1,183 @@
+"""Serve a model over an OpenAI-compatible HTTP API (``/v1/completions``, ``/v1/chat/completions``, ``/v1/models``,
+``/health``, ``/metrics``) with speculative decoding.
+
+    python -m inference.serve                                   # SmolLM2-135M-Instruct on 127.0.0.1:8000
+    python -m inference.serve --config configs/serve.yaml       # flags from YAML; command-line flags win
+    python -m inference.serve --mode ar --port 8001 --api-key "$KEY" --served-model-name smol
+
+Engine flags are those of ``inference.generate``. Logs are JSON lines on stderr. SIGTERM (or Ctrl-C) drains:
+new requests get 503, in-flight ones finish (up to ``--graceful-timeout`` s), then the process exits.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import ipaddress
+import json
+import logging
+import os
+import sys
+from pathlib import Path
+
+import yaml
+
+from ssd_eagle.config import add_engine_args, engine_config_from_args
+
+log = logging.getLogger("inference.serve")
+
+API_KEY_ENV = "SSD_EAGLE_API_KEY"
+
+
+class JsonFormatter(logging.Formatter):
+    """One JSON object per line: ``time`` (UTC ISO 8601), ``level``, ``logger``, ``message``, the record's
+    ``extra={"fields": {...}}`` entries, and ``exception`` when there is one."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        entry = {"time": datetime.datetime.fromtimestamp(record.created, datetime.timezone.utc)
+                 .isoformat(timespec="milliseconds"),
+                 "level": record.levelname, "logger": record.name, "message": record.getMessage()}
+        fields = getattr(record, "fields", None)
+        if isinstance(fields, dict):
+            entry.update(fields)
+        if record.exc_info:
+            entry["exception"] = self.formatException(record.exc_info)
+        return json.dumps(entry, default=str, ensure_ascii=False)
+
+
+def configure_logging(level: str = "info") -> None:
+    """Send every logger (ours, uvicorn's, transformers', warnings) to stderr as JSON lines; no progress bars."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(JsonFormatter())
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level.upper())
+    for name in ("uvicorn", "uvicorn.error", "uvicorn.access"):
+        logging.getLogger(name).handlers[:] = []
+        logging.getLogger(name).propagate = True
+    logging.captureWarnings(True)
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_default_handler()
+    hf_logging.enable_propagation()
+    hf_logging.disable_progress_bar()
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m inference.serve", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", default=None, metavar="YAML",
+                        help="YAML mapping of flag names (dashes or underscores) to values; command-line flags "
+                             "win (e.g. configs/serve.yaml)")
+    add_engine_args(parser)
+    g = parser.add_argument_group("server")
+    g.add_argument("--host", default="127.0.0.1", help="bind address (default: %(default)s, loopback only)")
+    g.add_argument("--port", type=int, default=8000)
+    g.add_argument("--served-model-name", nargs="+", default=None,
+                   help="name(s) clients pass as 'model'; the first is reported (default: the --model value)")
+    g.add_argument("--api-key", default=os.environ.get(API_KEY_ENV),
+                   help=f"require 'Authorization: Bearer <key>' on /v1/* (default: ${API_KEY_ENV}, else none)")
+    g.add_argument("--max-queue", type=int, default=32,
+                   help="most requests waiting for a batch slot; more get 503 (default: %(default)s)")
+    g.add_argument("--max-request-bytes", type=int, default=8 << 20, help="largest request body (413 beyond)")
+    g.add_argument("--graceful-timeout", type=float, default=120.0,
+                   help="seconds in-flight requests get to finish after SIGTERM (default: %(default)s)")
+    g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    return parser
+
+
+def _apply_yaml(parser: argparse.ArgumentParser, path: str) -> None:
+    """Make the YAML file's values the parser's defaults. Exits with a message naming a bad key."""
+    try:
+        data = yaml.safe_load(Path(path).read_text()) or {}
+    except (OSError, yaml.YAMLError) as err:
+        parser.error(f"--config {path}: {err}")
+    if not isinstance(data, dict):
+        parser.error(f"--config {path}: expected a mapping of flag names to values")
+    actions = {a.dest: a for a in parser._actions if a.dest not in ("help", "config")}
+    defaults = {}
+    for key, value in data.items():
+        dest = str(key).replace("-", "_")
+        action = actions.get(dest)
+        if action is None:
+            parser.error(f"--config {path}: unknown key {key!r}; known keys: {', '.join(sorted(actions))}")
+        if value is None:  # null: keep the flag's own default
+            continue
+        if dest == "speculative_config" and isinstance(value, dict):
+            value = json.dumps(value)
+        elif action.nargs == "+":
+            value = [str(v) for v in (value if isinstance(value, list) else [value])]
+        else:
+            try:
+                value = action.type(str(value)) if action.type is not None else str(value)
+            except (TypeError, ValueError):
+                parser.error(f"--config {path}: invalid value for {key!r}: {value!r}")
+        if action.choices is not None and value not in action.choices:
+            parser.error(f"--config {path}: {key!r} must be one of {list(action.choices)}, got {value!r}")
+        defaults[dest] = value
+    parser.set_defaults(**defaults)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """Parse flags, with ``--config`` YAML values as defaults."""
+    parser = build_parser()
+    pre, _ = parser.parse_known_args(argv)
+    if pre.config:
+        _apply_yaml(parser, pre.config)
+    args = parser.parse_args(argv)
+    if args.max_queue < 1:
+        parser.error("--max-queue must be >= 1")
+    if not 0 < args.port < 65536:
+        parser.error("--port must be in 1..65535")
+    return args
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    configure_logging(args.log_level)
+    import uvicorn
+
+    from ssd_eagle.engine.llm import build_engine
+
+    from inference.api_server import build_app
+
+    try:
+        config = engine_config_from_args(args)
+        engine = build_engine(config)
+    except (ValueError, FileNotFoundError) as err:
+        log.error("could not build the engine", extra={"fields": {"event": "startup_failed", "error": str(err)}})
+        return 2
+    if not _is_loopback(args.host) and not args.api_key:
+        log.warning("serving on a non-loopback address without --api-key: anyone who can reach it can use it",
+                    extra={"fields": {"event": "no_api_key", "host": args.host}})
+    app = build_app(engine, args.served_model_name or [args.model], api_key=args.api_key,
+                    max_queue=args.max_queue, max_request_bytes=args.max_request_bytes)
+    async_engine = app.state.server.async_engine
+
+    class DrainingServer(uvicorn.Server):
+        """uvicorn, but new requests get 503 from the moment a shutdown signal arrives."""
+
+        def handle_exit(self, sig, frame) -> None:
+            async_engine.begin_shutdown()
+            log.info("shutdown signal received; draining", extra={"fields": {"event": "draining", "signal": sig}})
+            super().handle_exit(sig, frame)
+
+    server = DrainingServer(uvicorn.Config(app, host=args.host, port=args.port, log_config=None, access_log=False,
+                                           timeout_graceful_shutdown=args.graceful_timeout, lifespan="on"))
+    log.info("serving", extra={"fields": {"event": "serving", "host": args.host, "port": args.port,
+                                          "model": args.model, "mode": engine.mode_name,
+                                          "max_model_len": engine.max_model_len, "max_num_seqs": engine.max_num_seqs,
+                                          "auth": bool(args.api_key)}})
+    server.run()
+    return 0 if server.started else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

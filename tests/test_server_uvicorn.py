@@ -1,0 +1,205 @@
+"""``python -m inference.serve`` as a real process on loopback, driven by the official ``openai`` client and httpx.
+
+The tiny model of ``tests/_server_helpers.py`` is saved to a temporary folder and served with the n-gram drafter.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from _server_helpers import CYCLE, save_tiny_model
+
+REPO = Path(__file__).resolve().parent.parent
+KEY = "test-key"
+STARTUP_TIMEOUT = 90.0
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class Server:
+    """A server subprocess; its stderr (JSON-lines logs) goes to a file."""
+
+    def __init__(self, model_dir: Path, log_path: Path, *flags: str):
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_path
+        env = {k: v for k, v in os.environ.items() if k != "SSD_EAGLE_API_KEY"}
+        cmd = [sys.executable, "-m", "inference.serve", "--model", str(model_dir), "--port", str(self.port),
+               "--mode", "sd", "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}',
+               "--max-num-seqs", "4", "--num-threads", "1", *flags]
+        self._log = open(log_path, "w")
+        self.proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=self._log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + STARTUP_TIMEOUT
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"the server exited with {self.proc.returncode}:\n{log_path.read_text()}")
+            try:
+                if httpx.get(self.url + "/health", timeout=1.0).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            if time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"the server did not start in {STARTUP_TIMEOUT} s:\n{log_path.read_text()}")
+            time.sleep(0.2)
+
+    def logs(self) -> list[dict]:
+        return [json.loads(line) for line in self.log_path.read_text().splitlines() if line.strip()]
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("tiny-model")
+    save_tiny_model(path, max_positions=4096)
+    return path
+
+
+@pytest.fixture(scope="module")
+def server(model_dir, tmp_path_factory):
+    srv = Server(model_dir, tmp_path_factory.mktemp("logs") / "server.log", "--api-key", KEY,
+                 "--served-model-name", "tiny", "tiny-alias")
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture
+def client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0, timeout=60)
+
+
+def _metric(server: Server, name: str, **labels) -> float:
+    text = httpx.get(server.url + "/metrics", timeout=5).text
+    want = name + ("{" + ",".join(f'{k}="{v}"' for k, v in labels.items()) + "}" if labels else "") + " "
+    return next((float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(want)), 0.0)
+
+
+def test_models(client):
+    models = client.models.list()
+    assert [m.id for m in models.data] == ["tiny", "tiny-alias"]
+    assert models.data[0].model_extra["max_model_len"] == 4096  # default: the target's max positions
+    assert client.models.retrieve("tiny-alias").id == "tiny-alias"
+
+
+def test_completions_streamed_and_not(client):
+    full = client.completions.create(model="tiny", prompt="Hey", max_tokens=60, temperature=0, logprobs=1)
+    choice = full.choices[0]
+    assert choice.text.startswith(" é€漢😀!Hey") and choice.finish_reason == "length"
+    assert full.usage.completion_tokens == 60 and len(choice.logprobs.tokens) == 60
+    assert full.model_extra["spec_stats"]["tau"] > 1
+    chunks = list(client.completions.create(model="tiny-alias", prompt="Hey", max_tokens=60, temperature=0,
+                                            stream=True))
+    assert "".join(c.choices[0].text for c in chunks) == choice.text
+    assert chunks[-1].choices[0].finish_reason == "length" and "spec_stats" in chunks[-1].model_extra
+
+
+def test_chat_streamed_and_not(client):
+    messages = [{"role": "user", "content": "Say hi in three scripts"}]
+    full = client.chat.completions.create(model="tiny", messages=messages, max_tokens=50, temperature=0.0,
+                                          logprobs=True, top_logprobs=2)
+    text = full.choices[0].message.content
+    assert text.startswith(CYCLE) and full.choices[0].finish_reason == "length"
+    assert bytes(b for t in full.choices[0].logprobs.content for b in t.bytes).decode("utf-8", "replace") == text
+    stream = client.chat.completions.create(model="tiny", messages=messages, max_tokens=50, temperature=0.0,
+                                            stream=True, stream_options={"include_usage": True})
+    chunks = list(stream)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == text
+    assert chunks[-1].usage.completion_tokens == 50 and chunks[-1].usage.prompt_tokens == full.usage.prompt_tokens
+    sampled = [client.chat.completions.create(model="tiny", messages=messages, max_tokens=30, temperature=8.0,
+                                              seed=11).choices[0].message.content for _ in range(2)]
+    streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
+        model="tiny", messages=messages, max_tokens=30, temperature=8.0, seed=11, stream=True))
+    assert sampled[0] == sampled[1] == streamed
+
+
+def test_errors_through_the_client(server, client):
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}], presence_penalty=1)
+    assert err.value.param == "presence_penalty"
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(model="tiny", prompt="x", max_tokens=5000)
+    assert err.value.code == "context_length_exceeded"
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="gpt-4o", prompt="x")
+    bad_key = openai.OpenAI(base_url=server.url + "/v1", api_key="wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        bad_key.models.list()
+    headers = {"Authorization": f"Bearer {KEY}"}
+    for raw, code in ((b"\xff{", "invalid_utf8"), (b"{nope", "invalid_json")):
+        response = httpx.post(server.url + "/v1/completions", content=raw, headers=headers, timeout=10)
+        assert response.status_code == 400 and response.json()["error"]["code"] == code
+    assert httpx.get(server.url + "/health", timeout=5).json() == {"status": "ok"}
+
+
+def test_disconnect_stops_generation(server):
+    aborted = _metric(server, "ssd_eagle_requests_total", endpoint="completions", outcome="aborted")
+    body = {"model": "tiny", "prompt": "Hey", "max_tokens": 3900, "stream": True}
+    with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=30,
+                      headers={"Authorization": f"Bearer {KEY}"}) as response:
+        lines = response.iter_lines()
+        assert next(lines).startswith("data: ")
+    deadline = time.monotonic() + 10
+    while _metric(server, "ssd_eagle_running_requests") != 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    before = _metric(server, "ssd_eagle_generation_tokens_total")
+    time.sleep(0.5)
+    assert _metric(server, "ssd_eagle_generation_tokens_total") == before  # the engine stopped producing
+    assert _metric(server, "ssd_eagle_running_requests") == 0
+    assert _metric(server, "ssd_eagle_requests_total", endpoint="completions", outcome="aborted") == aborted + 1
+
+
+def test_json_logs(server, client):
+    client.completions.create(model="tiny", prompt="Hey", max_tokens=3)
+    logs = server.logs()  # every line is JSON
+    assert any(e.get("event") == "request_finished" and e.get("completion_tokens") == 3 for e in logs)
+    assert any(e.get("event") == "serving" for e in logs)
+
+
+def test_sigterm_drains(model_dir, tmp_path):
+    srv = Server(model_dir, tmp_path / "drain.log")
+    try:
+        body = {"model": str(model_dir), "prompt": "Hey", "max_tokens": 3000, "temperature": 0, "stream": True}
+        with httpx.stream("POST", srv.url + "/v1/completions", json=body, timeout=60) as response:
+            lines = response.iter_lines()
+            assert next(lines).startswith("data: ")
+            srv.proc.send_signal(signal.SIGTERM)
+            time.sleep(0.05)
+            try:  # new requests are refused: 503 while draining, or no connection once the socket closed
+                late = httpx.post(srv.url + "/v1/completions", json={"prompt": "x"}, timeout=5).status_code
+            except httpx.TransportError:
+                late = None
+            assert late in (503, None)
+            events = [line[len("data: "):] for line in lines if line.startswith("data: ")]
+        assert events[-1] == "[DONE]"
+        final = json.loads(events[-2])
+        assert final["choices"][0]["finish_reason"] == "length"  # the in-flight request finished in full
+        # uvicorn re-raises the signal once it has shut down cleanly, so the exit is "terminated by SIGTERM"
+        assert srv.proc.wait(timeout=30) in (0, -signal.SIGTERM)
+        events = [e.get("event") for e in srv.logs()]
+        assert "draining" in events and "shutdown" in events  # drained, then the engine loop stopped
+    finally:
+        srv.stop()
