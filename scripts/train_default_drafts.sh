@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Reproduce the default drafts of SmolLM2-135M-Instruct (configs/smollm2-135m-{eagle3,draftlm}.yaml):
+#   1. held-out MT-Bench text answered greedily by the target (for the teacher-forced tau estimate)
+#   2. the target's features, computed once (offline mode; shared by both drafts)
+#   3. the EAGLE-3 head and the draft LM, trained with DeepSpeed (CPU: gloo; GPUs: unchanged)
+#   4. exports into drafts/ (bf16; the draft LM compact: its trained tensors only) and a tau estimate of each
+# Needs data/smollm2-135m/regenerated.jsonl.gz (scripts/regenerate_data.py). Extra arguments go to both training
+# runs (e.g. --max_steps 200). NUM_GPUS (default 1) ranks per run.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+NUM_GPUS=${NUM_GPUS:-1}
+EAGLE=configs/smollm2-135m-eagle3.yaml
+DRAFTLM=configs/smollm2-135m-draftlm.yaml
+DATA=data/smollm2-135m/regenerated.jsonl.gz
+HELDOUT=runs/heldout/mtbench-smollm2-135m.jsonl
+FEATURES=runs/features/smollm2-135m
+
+[ -f "$DATA" ] || { echo "missing $DATA: run scripts/regenerate_data.py first" >&2; exit 1; }
+[ -f "$HELDOUT" ] || python -m train.heldout generate "$HELDOUT" --split mtbench --every 2 --max-tokens 384 \
+    --batch-size 20
+[ -f "$FEATURES/index-rank0.json" ] || deepspeed --num_gpus "$NUM_GPUS" train/precompute_features.py --config "$EAGLE"
+
+deepspeed --num_gpus "$NUM_GPUS" train/train_draft.py --config "$EAGLE" "$@"
+deepspeed --num_gpus "$NUM_GPUS" train/train_draft.py --config "$DRAFTLM" "$@"
+
+python -m train.export runs/smollm2-135m-eagle3 drafts/smollm2-135m-eagle3 --dtype bfloat16
+python -m train.export runs/smollm2-135m-draftlm drafts/smollm2-135m-draftlm --dtype bfloat16 --compact
+
+python -m train.heldout estimate --draft drafts/smollm2-135m-eagle3 --heldout "$HELDOUT" --k 7
+python -m train.heldout estimate --draft drafts/smollm2-135m-draftlm --heldout "$HELDOUT" --k 7

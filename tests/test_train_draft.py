@@ -1,0 +1,427 @@
+"""Draft training: TTT unroll and mask against a naive chain-drafting loop, the loss against a per-position
+reference, acceptance simulation, config parsing, vocabulary kept on resume, aux ids of training equal to serving,
+and one end-to-end ``deepspeed`` launch (loss decrease, resume, export)."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+import yaml
+from torch import nn
+from transformers import LlamaConfig
+
+from conftest import make_byte_tokenizer, make_tiny_llama
+from ssd_eagle.models.eagle3 import Eagle3Config, Eagle3DraftModel, build_vocab_mapping
+from train.config import ConfigError, config_from_dict, deepspeed_config, load_config, parse_args
+from train.ttt import (
+    DraftTargets,
+    chain_masks,
+    draft_lm_hits,
+    draft_targets,
+    eagle3_hits,
+    simulate_acceptance,
+    soft_cross_entropy,
+    ttt_attention_mask,
+    ttt_loss,
+    ttt_unroll,
+)
+
+REPO = Path(__file__).resolve().parents[1]
+VOCAB, DRAFT_VOCAB, H = 40, 16, 32
+WORDS = ["alpha", "beta", "gamma", "delta", "eps", "zeta", "eta", "theta"]
+EOS_TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}<eos>\n{% endfor %}"
+                "{% if add_generation_prompt %}<assistant>{% endif %}")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# helpers shared with test_train_export.py
+
+def make_head(seed=0, num_layers=8, dtype=torch.float64, attn="sdpa") -> tuple[Eagle3DraftModel, nn.Embedding]:
+    """A random EAGLE-3 head (float64) over a 40-token target vocabulary, 16 draft tokens."""
+    torch.manual_seed(seed)
+    tc = LlamaConfig(hidden_size=H, num_attention_heads=4, num_key_value_heads=2, intermediate_size=64,
+                     num_hidden_layers=num_layers, vocab_size=VOCAB, max_position_embeddings=128, rope_theta=1e4)
+    head = Eagle3DraftModel(Eagle3Config.from_target(tc, DRAFT_VOCAB), attn_implementation=attn).to(dtype)
+    with torch.no_grad():
+        for p in head.parameters():
+            p.copy_(torch.randn_like(p) * 0.2 + (1.0 if p.dim() == 1 else 0.0))
+    head.set_vocab_mapping(*build_vocab_mapping(torch.randperm(VOCAB)[:DRAFT_VOCAB], VOCAB, DRAFT_VOCAB))
+    emb = nn.Embedding(VOCAB, H).to(dtype)
+    head.set_embeddings(emb)
+    return head, emb
+
+
+def write_tiny_setup(root: Path, num_convs: int = 48, seed: int = 0, num_layers: int = 8) -> dict:
+    """A tiny float32 Llama target with a byte-level tokenizer (chat turns closed by ``<eos>``), training and
+    held-out conversations. Returns the paths."""
+    root.mkdir(parents=True, exist_ok=True)
+    tok = make_byte_tokenizer()
+    tok.chat_template = EOS_TEMPLATE
+    model = make_tiny_llama(num_layers=num_layers, hidden_size=64, dtype=torch.float32, max_positions=512, seed=seed)
+    target = root / "target"
+    model.save_pretrained(target)
+    tok.save_pretrained(target)
+    rng = random.Random(seed)
+
+    def conv(prefix=""):
+        return {"messages": [
+            {"role": "user", "content": prefix + " ".join(rng.choice(WORDS) for _ in range(rng.randint(2, 5)))},
+            {"role": "assistant", "content": " ".join(rng.choice(WORDS) for _ in range(rng.randint(4, 10)))}]}
+    data, heldout = root / "data.jsonl", root / "heldout.jsonl"
+    data.write_text("".join(json.dumps(conv()) + "\n" for _ in range(num_convs)))
+    heldout.write_text("".join(json.dumps(conv("held ")) + "\n" for _ in range(3)))
+    return {"target": str(target), "data": str(data), "heldout": str(heldout), "root": root}
+
+
+def tiny_config(setup: dict, out: Path, **overrides) -> dict:
+    """Training config values for the tiny setup (online EAGLE-3, ZeRO-2)."""
+    values = dict(target=setup["target"], data=setup["data"], heldout_data=setup["heldout"], check_heldout=False,
+                  output_dir=str(out), draft_vocab_size=24, ttt_steps=3, max_length=128, lr=3e-3, warmup_steps=2,
+                  max_steps=6, save_every=3, eval_every=3, log_every=1, progress=False, heldout_samples=2,
+                  deepspeed_config=str(REPO / "configs" / "ds_zero2.json"))
+    values.update(overrides)
+    return values
+
+
+def run_trainer(**values):
+    """Build and run a :class:`train.train_draft.Trainer` in this process (one-rank gloo world)."""
+    from train.train_draft import Trainer, init_distributed
+
+    init_distributed()
+    trainer = Trainer(config_from_dict(values))
+    result = trainer.train()
+    return trainer, result
+
+
+@pytest.fixture(scope="module")
+def tiny_setup(tmp_path_factory):
+    return write_tiny_setup(tmp_path_factory.mktemp("tiny"))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# TTT unroll and mask
+
+def test_attention_mask_is_causal_block_then_diagonals():
+    m = ttt_attention_mask(4, 2, torch.float32)
+    assert m.shape == (1, 1, 4, 12)
+    visible = (m[0, 0] == 0)
+    assert torch.equal(visible[:, :4], torch.ones(4, 4, dtype=torch.bool).tril())
+    for block in (1, 2):
+        assert torch.equal(visible[:, 4 * block: 4 * block + 4], torch.eye(4, dtype=torch.bool))
+    assert (m[0, 0][~visible] == torch.finfo(torch.float32).min).all()
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_unroll_equals_naive_chain_drafting(attn):
+    """Step i at position t equals drafting a chain after x_{t+1}: a fresh causal forward over the context pairs
+    (x_{s+1}, fc(f_s)), s <= t, followed by the chain's own pairs (x_{t+1+j}, h^{j-1}) at positions t+j."""
+    head, _ = make_head(attn=attn)
+    tol = 1e-9 if attn == "sdpa" else 1e-6  # transformers' eager attention takes its softmax in float32
+    torch.manual_seed(1)
+    n, k = 9, 4
+    ids = torch.randint(0, VOCAB, (2, n))
+    aux = torch.randn(2, n, 3 * H, dtype=torch.float64)
+    with torch.no_grad():
+        outs = ttt_unroll(head, ids, aux, k)
+        fused = head.fuse(aux)
+        padded = torch.cat([ids, torch.zeros(2, k + 1, dtype=torch.long)], dim=1)
+        for b in range(2):
+            for t in range(n):
+                tokens = list(padded[b, 1: t + 2])
+                hidden = [fused[b, s] for s in range(t + 1)]
+                for j in range(k):
+                    if j > 0:
+                        tokens.append(padded[b, t + 1 + j])
+                        hidden.append(prev)
+                    m = len(tokens)
+                    out = head(torch.stack(tokens)[None], torch.stack(hidden)[None], torch.arange(m)[None])
+                    prev = out[0, -1]
+                    torch.testing.assert_close(outs[j][b, t], prev, rtol=tol, atol=tol)
+
+
+def test_loss_and_accuracy_equal_per_position_reference():
+    head, _ = make_head(seed=3)
+    torch.manual_seed(4)
+    n, k, decay = 12, 3, 0.8
+    ids = torch.randint(0, VOCAB, (2, n))
+    aux = torch.randn(2, n, 3 * H, dtype=torch.float64)
+    loss_mask = torch.zeros(2, n, dtype=torch.long)
+    loss_mask[0, 3:8] = 1
+    loss_mask[0, 9:12] = 1
+    loss_mask[1, 2:11] = 1
+    w = torch.randn(VOCAB, H, dtype=torch.float64)
+    last = torch.randn(2, n, H, dtype=torch.float64) * 2
+    targets = draft_targets(last, w, head.draft_target_ids, head.t2d)
+    assert (~targets.in_vocab).any() and targets.in_vocab.any()
+    out = ttt_loss(head, ids, loss_mask, aux, targets, k, decay)
+
+    outs = ttt_unroll(head, ids, aux, k)
+    full_logits = last @ w.T
+    used = head.draft_target_ids
+    total = 0.0
+    for i in range(k):
+        losses, correct = [], 0
+        for b in range(2):
+            for t in range(n):
+                chain = all(t + 2 + j < n and loss_mask[b, t + 2 + j] for j in range(i + 1))
+                s = t + 1 + i
+                if not chain or not bool(head.t2d[full_logits[b, s].argmax()]):
+                    continue
+                q = F.log_softmax(head.compute_logits(outs[i][b, t]), -1)
+                p = torch.softmax(full_logits[b, s, used], -1)
+                losses.append(-(p * q).sum())
+                correct += int(used[q.argmax()] == full_logits[b, s].argmax())
+        mean = torch.stack(losses).mean()
+        total = total + decay ** i * mean
+        torch.testing.assert_close(out.step_loss[i].double(), mean.detach(), rtol=1e-6, atol=1e-6)
+        assert int(out.step_count[i]) == len(losses)
+        assert int(out.step_correct[i]) == correct
+    torch.testing.assert_close(out.loss.double(), total, rtol=1e-6, atol=1e-6)
+
+
+def test_soft_cross_entropy_value_and_gradient():
+    torch.manual_seed(0)
+    z = torch.randn(5, 7, dtype=torch.float64, requires_grad=True)
+    p = torch.softmax(torch.randn(5, 7, dtype=torch.float64), -1)
+    g = torch.randn(5, dtype=torch.float64)
+    ref = F.cross_entropy(z, p, reduction="none")
+    (ref * g).sum().backward()
+    grad_ref = z.grad.clone()
+    z.grad = None
+    ours = soft_cross_entropy(z, p)
+    (ours * g).sum().backward()
+    torch.testing.assert_close(ours, ref)
+    torch.testing.assert_close(z.grad, grad_ref)
+
+
+def test_fused_kl_equals_autograd_reference():
+    from train.draft_lm import kl_loss
+
+    torch.manual_seed(0)
+    h = torch.randn(2, 6, 8, dtype=torch.float64, requires_grad=True)
+    th = torch.randn(2, 6, 8, dtype=torch.float64)
+    w = torch.randn(30, 8, dtype=torch.float64)
+    mask = torch.tensor([[0, 1, 1, 0, 1, 1], [1, 1, 1, 1, 0, 0]])
+    loss, argmax, valid = kl_loss(h, th, w, mask, chunk=3)
+    loss.backward()
+    grad = h.grad.clone()
+    h.grad = None
+    logq, logp = F.log_softmax(h.float() @ w.float().T, -1), F.log_softmax(th.float() @ w.float().T, -1)
+    kl = (logp.exp() * (logp - logq)).sum(-1)
+    rows = torch.zeros(2, 6, dtype=torch.bool)
+    rows[:, :-1] = mask[:, 1:].bool()
+    ref = kl[rows].mean()
+    ref.backward()
+    assert torch.equal(valid, rows)
+    torch.testing.assert_close(loss.double(), ref.double(), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(h.grad, grad, rtol=1e-4, atol=1e-6)
+    assert torch.equal(argmax[rows], logq.argmax(-1)[rows]) and (argmax[~rows] == -1).all()
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# acceptance simulation
+
+def test_chain_masks_and_hits_layout():
+    mask = torch.tensor([[0, 0, 1, 1, 1, 0]])
+    m = chain_masks(mask, 2)
+    assert m[0, 0].tolist() == [1, 1, 1, 0, 0, 0]  # x_{t+2} is an assistant token
+    assert m[1, 0].tolist() == [1, 1, 0, 0, 0, 0]  # x_{t+2}, x_{t+3} both
+    ids = torch.tensor([[5, 6, 7, 8, 9, 10]])
+    argmax = torch.tensor([[6, 0, 8, 9, 0, 1]])  # the draft LM predicts x_{s+1} at s
+    hits = draft_lm_hits(argmax, ids, 2)
+    assert hits[0, 0].tolist() == [False, True]  # chain after x_1: predictions at s=1 (wrong), s=2 (right)
+    assert hits[0, 1].tolist() == [True, True]
+    d2t_ids = torch.arange(12)
+    draft_argmax = torch.full((2, 1, 6), -1)
+    draft_argmax[0, 0, 1] = 8
+    draft_argmax[1, 0, 1] = 9
+    assert eagle3_hits(draft_argmax, d2t_ids, ids)[0, 1].tolist() == [True, True]
+    assert not eagle3_hits(draft_argmax, d2t_ids, ids)[0, 2].any()
+
+
+def test_simulate_acceptance_walk():
+    # prompt 0..2, assistant span 3..12 (12 = end of turn); hits row t = chain after x_{t+1}
+    n, k = 14, 3
+    mask = torch.zeros(n, dtype=torch.long)
+    mask[3:13] = 1
+    hits = torch.zeros(n, k, dtype=torch.bool)
+    hits[2] = torch.tensor([True, True, False])  # after x_3: accept 2, emit 3 -> last = 6
+    hits[5] = torch.tensor([True, True, True])   # after x_6: accept 3, emit 4 -> last = 10
+    hits[9] = torch.tensor([True, True, True])   # after x_10: 2 tokens left -> emit 2
+    stats = simulate_acceptance(hits, mask, k)
+    assert (stats.rounds, stats.emitted) == (3, 9)
+    assert stats.tau == 3.0
+    assert stats.accepted_hist == [0, 0, 2, 1]
+    none = simulate_acceptance(torch.zeros(n, k, dtype=torch.bool), mask, k)
+    assert (none.rounds, none.emitted, none.tau) == (9, 9, 1.0)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# config
+
+def test_yaml_and_command_line_overrides(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump({"draft": "eagle3", "lr": 1e-4, "aux_layer_ids": [2, 15, 27], "max_steps": 10}))
+    cfg = parse_args(["--config", str(path), "--lr", "3e-4", "--ttt-steps=5", "--max_steps", "none",
+                      "--resume", "false", "--local_rank=0", "--aux_layer_ids", "1,2,3"])
+    assert cfg.lr == 3e-4 and cfg.ttt_steps == 5 and cfg.max_steps is None and cfg.resume is False
+    assert cfg.aux_layer_ids == [1, 2, 3]
+    with pytest.raises(ConfigError, match="unknown config key 'lrr'.*did you mean lr"):
+        parse_args(["--config", str(path), "--lrr", "1"])
+    path.write_text(yaml.safe_dump({"ttt_step": 3}))
+    with pytest.raises(ConfigError, match="unknown config key 'ttt_step'"):
+        load_config(path)
+    with pytest.raises(ConfigError, match="expects"):
+        load_config(None, ["--max_steps", "ten"])
+    with pytest.raises(ConfigError, match="features_dir"):
+        load_config(None, ["--mode", "offline"])
+
+
+def test_shipped_configs_parse():
+    for name in ("smollm2-135m-eagle3.yaml", "smollm2-135m-draftlm.yaml"):
+        cfg = load_config(REPO / "configs" / name)
+        assert cfg.data and cfg.output_dir
+    eagle = load_config(REPO / "configs" / "smollm2-135m-eagle3.yaml")
+    assert eagle.draft == "eagle3" and eagle.ttt_steps == 7 and eagle.ttt_decay == 0.8
+    assert (eagle.adam_beta1, eagle.adam_beta2, eagle.grad_clip, eagle.dtype) == (0.9, 0.95, 0.5, "float32")
+
+
+def test_deepspeed_config_auto_values(tmp_path):
+    cfg = config_from_dict({"micro_batch_size": 2, "grad_accum": 3, "grad_clip": 0.5})
+    ds = deepspeed_config(cfg, world_size=2)
+    assert (ds["train_micro_batch_size_per_gpu"], ds["gradient_accumulation_steps"], ds["train_batch_size"]) == \
+        (2, 3, 12)
+    assert ds["gradient_clipping"] == 0.5 and ds["bf16"]["enabled"] is False
+    assert deepspeed_config(config_from_dict({"deepspeed_config": "configs/ds_zero3.json"}), 1)[
+        "zero_optimization"]["stage"] == 3
+    bad = tmp_path / "ds.json"
+    bad.write_text(json.dumps({"optimizer": {"type": "Adam"}}))
+    with pytest.raises(ConfigError, match="optimizer"):
+        deepspeed_config(config_from_dict({"deepspeed_config": str(bad)}), 1)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# draft LM
+
+def test_draft_lm_body_reproduces_target_with_all_layers():
+    from train.draft_lm import DraftLMBody, draft_lm_config
+
+    target = make_tiny_llama(num_layers=3, dtype=torch.float64, tie=True)
+    body = DraftLMBody.from_target(target, 3, torch.float64)
+    ids = torch.randint(0, 257, (1, 12))
+    with torch.no_grad():
+        hidden = body(target.get_input_embeddings()(ids))
+        ref = target(ids).logits
+    torch.testing.assert_close(hidden @ target.lm_head.weight.T, ref)
+    assert body.model.embed_tokens is None
+    assert not any("embed" in k for k in body.trained_state_dict())
+    short = DraftLMBody.from_target(target, 1, torch.float64)
+    assert torch.equal(short.model.layers[0].mlp.up_proj.weight, target.model.layers[0].mlp.up_proj.weight)
+    assert draft_lm_config(target.config, 1).tie_word_embeddings is True
+    assert draft_lm_config(make_tiny_llama(num_layers=2, tie=False).config, 1).tie_word_embeddings is False
+    with pytest.raises(ValueError, match="draft_lm_layers"):
+        draft_lm_config(target.config, 4)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# in-process training: vocabulary on resume, aux ids of training == serving
+
+def test_vocab_mapping_kept_on_resume(tiny_setup, tmp_path):
+    out = tmp_path / "run"
+    trainer, _ = run_trainer(**tiny_config(tiny_setup, out, max_steps=2, save_every=2, eval_every=0))
+    saved_d2t = trainer.head.d2t.clone()
+    # different data would count a different vocabulary; the resumed head must keep the checkpoint's
+    other = tmp_path / "other.jsonl"
+    other.write_text("".join(json.dumps({"messages": [{"role": "user", "content": "q"}, {
+        "role": "assistant", "content": "ZYXWVU 0123456789 !?%$#@ " * 3}]}) + "\n" for _ in range(8)))
+    from train.vocab import build_draft_vocab, count_token_frequencies
+    fresh_d2t, _ = build_draft_vocab(count_token_frequencies(list(trainer.token_rows()), 257, progress=False), 24)
+    assert torch.equal(fresh_d2t, saved_d2t)  # sanity: this is how the first run chose it
+    resumed, _ = run_trainer(**tiny_config(tiny_setup, out, data=str(other), max_steps=3, save_every=3,
+                                           eval_every=0))
+    other_d2t, _ = build_draft_vocab(count_token_frequencies(list(resumed.token_rows()), 257, progress=False), 24)
+    assert not torch.equal(other_d2t, saved_d2t)
+    assert torch.equal(resumed.head.d2t, saved_d2t)
+    assert resumed.state["step"] == 3
+    state = json.loads((out / "checkpoints" / "step-00000003" / "trainer_state.json").read_text())
+    assert state["step"] == 3 and state["micro_step"] == 3
+
+
+def test_aux_ids_fed_in_training_equal_serving(tiny_setup, tmp_path):
+    from ssd_eagle.drafters.eagle3 import Eagle3Drafter
+    from ssd_eagle.engine.llm_engine import LLMEngine
+    from ssd_eagle.kv_cache import ForwardBatch
+    from train.export import export_checkpoint
+
+    out = tmp_path / "run"
+    trainer, _ = run_trainer(**tiny_config(tiny_setup, out, max_steps=1, save_every=1, eval_every=0,
+                                           aux_layer_ids=[1, 4, 6]))
+    export = export_checkpoint(out, tmp_path / "export", dtype="float32")
+    target, tok = trainer.target, trainer.tokenizer
+    drafter = Eagle3Drafter.from_pretrained(str(export), target, num_slots=2, max_len=128)
+    engine = LLMEngine(target, tok, drafter, num_speculative_tokens=3, max_num_seqs=2)
+    assert trainer.extractor.aux_layer_ids == (1, 4, 6)
+    assert engine.target.aux_layer_ids == trainer.extractor.aux_layer_ids == tuple(trainer.head.config.aux_layer_ids)
+    # the same tensors: the engine's runner, the trainer's extractor, and transformers' hidden_states[i]
+    ids = list(range(40, 60))
+    feats = trainer.extractor([{"input_ids": ids, "loss_mask": [1] * len(ids)}])
+    batch = ForwardBatch.causal([ids], [0], [0], engine.target.dtype, engine.target.device)
+    served = engine.target.forward(batch, capture_aux=True, compute_logits=False).aux_hidden
+    torch.testing.assert_close(feats.aux_hidden, served)
+    with torch.no_grad():
+        hs = target(torch.tensor([ids]), output_hidden_states=True).hidden_states
+    torch.testing.assert_close(feats.aux_hidden, torch.cat([hs[i] for i in (1, 4, 6)], -1), rtol=1e-5, atol=1e-5)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the one end-to-end deepspeed launch
+
+def test_deepspeed_launch_trains_resumes_and_exports(tiny_setup, tmp_path):
+    """``deepspeed --num_gpus 1 train/train_draft.py``: fixed seed, the loss falls below 0.8x its start; the run
+    then resumes from its latest checkpoint (in this process) and exports a loadable head."""
+    from ssd_eagle.models.eagle3_formats import load_eagle3
+    from train.export import main as export_main
+
+    if shutil.which("deepspeed") is None:
+        pytest.fail("the deepspeed launcher is not installed (pip install deepspeed)")
+    out = tmp_path / "run"
+    values = tiny_config(tiny_setup, out, max_steps=40, save_every=20, eval_every=20, lr=5e-3, seed=0)
+    cfg_path = tmp_path / "tiny.yaml"
+    cfg_path.write_text(yaml.safe_dump(values))
+    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+               OMP_NUM_THREADS="1")
+    for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
+    port = str(29500 + random.Random().randint(0, 400))
+    proc = subprocess.run(["deepspeed", "--num_gpus", "1", "--master_port", port, str(REPO / "train" / "train_draft.py"),
+                           "--config", str(cfg_path)], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in records if "loss" in r]
+    assert train[0]["step"] == 1 and train[-1]["step"] == 40
+    assert train[-1]["loss"] < 0.8 * train[0]["loss"], (train[0]["loss"], train[-1]["loss"])
+    assert any("heldout_tau" in r for r in records)
+    assert (out / "checkpoints" / "latest").read_text().strip() == "step-00000040"
+
+    trainer, result = run_trainer(**dict(values, max_steps=44))
+    assert trainer.state["step"] == 44 and result["step"] == 44
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if "loss" in r][40:] == [41, 42, 43, 44]
+
+    export = tmp_path / "export"
+    export_main([str(out), str(export), "--dtype", "float32"])
+    head = load_eagle3(export, target_config=trainer.target.config)
+    saved = trainer.head.state_dict()
+    for name, tensor in head.state_dict().items():
+        assert torch.equal(tensor, saved[name].to(tensor.dtype)), name
+    assert (export / "tokenizer.json").exists() and "tau" in (export / "README.md").read_text()

@@ -1,0 +1,223 @@
+"""Export of trained drafts: the EAGLE-3 folder through the vLLM and SGLang name maps, untied draft configs, refusal
+of a head without lm_head, ZeRO-3 checkpoints exported to the in-memory weights, draft LM layouts, hub push."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from safetensors.torch import load_file, save_file
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+
+from conftest import make_byte_tokenizer
+from ssd_eagle.models.eagle3 import Eagle3Config, Eagle3DraftModel
+from ssd_eagle.models.eagle3_formats import (
+    from_sglang_names,
+    from_vllm_names,
+    load_eagle3,
+    to_sglang_names,
+    to_vllm_names,
+)
+from test_train_draft import REPO, make_head, run_trainer, tiny_config, write_tiny_setup
+from train import checkpoint as ckpt
+from train.export import export_checkpoint, main as export_main, materialize
+
+H = 32
+
+
+def save_target(path: Path, tie: bool = False) -> LlamaConfig:
+    """A saved target whose geometry matches test_train_draft.make_head (vocab 40, hidden 32, 8 layers)."""
+    cfg = LlamaConfig(hidden_size=H, num_attention_heads=4, num_key_value_heads=2, intermediate_size=64,
+                      num_hidden_layers=8, vocab_size=40, max_position_embeddings=128, rope_theta=1e4,
+                      tie_word_embeddings=tie)
+    torch.manual_seed(0)
+    LlamaForCausalLM(cfg).save_pretrained(path)
+    make_byte_tokenizer().save_pretrained(path)
+    return cfg
+
+
+def write_checkpoint(root: Path, head: Eagle3DraftModel, target: str, step: int = 7) -> Path:
+    """A committed checkpoint holding ``head`` (what the trainer writes, without DeepSpeed's own files)."""
+    from dataclasses import asdict
+
+    tmp = root / (ckpt.TMP_PREFIX + ckpt.step_tag(step))
+    config = asdict(head.config)
+    config["aux_layer_ids"] = list(config["aux_layer_ids"])
+    ckpt.write_draft_snapshot(tmp, "eagle3", config, head.state_dict(), {"target": target})
+    state = {"step": step, "tokens": 1234, "elapsed_s": 5.0, "world_size": 1, "zero_stage": 2,
+             "data": {"source": "data.jsonl", "num_conversations": 3, "num_tokens": 99},
+             "last_metrics": {"loss": 1.5, "step_acc": [0.5, 0.4], "epoch": 1.0},
+             "last_heldout": {"heldout_tau": 2.25, "heldout_rounds": 10, "heldout_num_draft": 7}}
+    (tmp / ckpt.TRAINER_STATE).write_text(json.dumps(state))
+    (tmp / ckpt.TRAIN_CONFIG).write_text(yaml.safe_dump({"target": target, "ttt_steps": 7, "ttt_decay": 0.8}))
+    return ckpt.commit_checkpoint(root, tmp.name, ckpt.step_tag(step), keep=2)
+
+
+@pytest.fixture()
+def head_checkpoint(tmp_path):
+    target = tmp_path / "target"
+    save_target(target)
+    head, _ = make_head(dtype=torch.float32)
+    step_dir = write_checkpoint(tmp_path / "ckpts", head, str(target))
+    return head, step_dir, target
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# EAGLE-3 folder
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_export_round_trip_through_vllm_and_sglang_name_maps(head_checkpoint, tmp_path, dtype):
+    head, step_dir, target = head_checkpoint
+    out = export_checkpoint(step_dir.parent, tmp_path / "export", dtype=dtype, speculators=True)
+    expected = {k: (v.to(getattr(torch, dtype)) if v.is_floating_point() else v) for k, v in head.state_dict().items()}
+    maps = [(to_vllm_names, from_vllm_names), (to_sglang_names, from_sglang_names)]
+    for folder, engines in ((out, maps), (out / "speculators", maps[:1])):  # speculators: a vLLM format
+        tensors = load_file(str(folder / "model.safetensors"))
+        assert not any("embed" in k for k in tensors)
+        for to_engine, from_engine in engines:
+            back = from_engine(to_engine(tensors), head.config)
+            assert sorted(back) == sorted(expected)
+            for k, v in expected.items():
+                assert back[k].dtype == v.dtype and torch.equal(back[k], v), k
+        loaded = load_eagle3(folder, target_config=LlamaConfig.from_pretrained(target))
+        for k, v in loaded.state_dict().items():
+            assert torch.equal(v, expected[k]), k
+    config = json.loads((out / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLMEagle3"] and config["tie_word_embeddings"] is False
+    assert config["rope_parameters"] == {"rope_theta": 1e4, "rope_type": "default"} and config["rope_theta"] == 1e4
+    assert config["max_position_embeddings"] == 128 and config["draft_vocab_size"] == 16
+    assert config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [2, 4, 5]
+    assert config["eagle_aux_hidden_state_layer_ids_convention"] == "input_of_layer"
+    assert config["torch_dtype"] == dtype
+    card = (out / "README.md").read_text()
+    assert "tau = 2.25" in card and "data.jsonl" in card and "7 optimizer steps" in card
+    assert (out / "tokenizer.json").exists()
+
+
+def test_tied_target_never_gives_a_tied_draft_config(tmp_path):
+    target = tmp_path / "target"
+    tc = save_target(target, tie=True)
+    assert tc.tie_word_embeddings is True
+    cfg = Eagle3Config.from_target(tc, 16)
+    assert cfg.to_llama_config().tie_word_embeddings is False
+    head = Eagle3DraftModel(cfg)
+    head.set_vocab_mapping(*head.build_vocab_mapping(range(16), 40, 16))
+    step_dir = write_checkpoint(tmp_path / "ckpts", head, str(target))
+    out = export_checkpoint(step_dir, tmp_path / "export", dtype="float32")
+    assert json.loads((out / "config.json").read_text())["tie_word_embeddings"] is False
+    assert load_file(str(out / "model.safetensors"))["lm_head.weight"].shape == (16, H)
+
+
+def test_checkpoint_without_lm_head_is_refused(head_checkpoint, tmp_path):
+    _, step_dir, _ = head_checkpoint
+    weights = step_dir / ckpt.DRAFT_DIR / ckpt.DRAFT_WEIGHTS
+    tensors = load_file(str(weights))
+    del tensors["lm_head.weight"]
+    save_file(tensors, str(weights))
+    with pytest.raises(ValueError, match="no lm_head.weight"):
+        export_checkpoint(step_dir, tmp_path / "export")
+    assert not (tmp_path / "export").exists()
+
+
+def test_push_to_hub_calls_create_repo_and_upload_folder(head_checkpoint, tmp_path, monkeypatch):
+    import huggingface_hub
+
+    _, step_dir, _ = head_checkpoint
+    calls = []
+
+    def create_repo(repo_id, **kw):
+        calls.append(("create_repo", repo_id, kw))
+        return f"https://hub.local/{repo_id}"
+
+    def upload_folder(**kw):
+        files = sorted(p.name for p in Path(kw["folder_path"]).iterdir())
+        calls.append(("upload_folder", kw, files))
+        return "commit-info"
+
+    monkeypatch.setattr(huggingface_hub, "create_repo", create_repo)
+    monkeypatch.setattr(huggingface_hub, "upload_folder", upload_folder)
+    export_main([str(step_dir), str(tmp_path / "export"), "--push-to-hub", "me/draft", "--private", "--speculators"])
+    assert calls[0] == ("create_repo", "me/draft", {"private": True, "exist_ok": True, "repo_type": "model",
+                                                    "token": None})
+    _, kw, files = calls[1]
+    assert kw["repo_id"] == "me/draft" and kw["repo_type"] == "model"
+    assert Path(kw["folder_path"]) == tmp_path / "export"
+    assert {"config.json", "model.safetensors", "README.md", "tokenizer.json", "speculators"} <= set(files)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# ZeRO-3 checkpoints and the draft LM
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return write_tiny_setup(tmp_path_factory.mktemp("tiny_export"), num_convs=12)
+
+
+def _assert_equal_states(got: dict, want: dict):
+    assert sorted(got) == sorted(want)
+    for k, v in want.items():
+        assert got[k].numel() > 0 and got[k].shape == v.shape, k
+        assert torch.equal(got[k].to(v.dtype), v), k
+
+
+def test_zero3_checkpoint_exports_in_memory_weights(tiny, tmp_path):
+    out = tmp_path / "run"
+    trainer, _ = run_trainer(**tiny_config(tiny, out, max_steps=2, save_every=2, eval_every=0,
+                                           deepspeed_config=str(REPO / "configs" / "ds_zero3.json")))
+    params = list(trainer.engine.module.parameters())
+    assert all(hasattr(p, "ds_id") and p.numel() == 0 for p in params)  # really partitioned by ZeRO-3
+    memory = trainer.gathered_draft_state()
+    assert memory["lm_head.weight"].shape == (24, 64)
+    export = export_checkpoint(out, tmp_path / "export", dtype="float32")
+    tensors = load_file(str(export / "model.safetensors"))
+    _assert_equal_states(tensors, memory)
+    assert not any("embed" in k for k in tensors)
+    # without the gathered snapshot, DeepSpeed's own ZeRO-3 partitions give the same tensors
+    step_dir = ckpt.resolve_checkpoint(out)
+    (step_dir / ckpt.DRAFT_DIR / ckpt.DRAFT_WEIGHTS).unlink()
+    _assert_equal_states(ckpt.read_draft_tensors(step_dir), memory)
+    again = export_checkpoint(out, tmp_path / "export2", dtype="float32")
+    _assert_equal_states(load_file(str(again / "model.safetensors")), memory)
+
+
+def test_draft_lm_zero3_plain_compact_and_materialized_exports(tiny, tmp_path):
+    from train.draft_lm import load_draft_lm
+
+    out = tmp_path / "run"
+    trainer, result = run_trainer(**tiny_config(tiny, out, draft="draft_lm", draft_lm_layers=2, max_steps=2,
+                                                save_every=2, eval_every=2,
+                                                deepspeed_config=str(REPO / "configs" / "ds_zero3.json")))
+    assert "heldout_tau" in result
+    memory = trainer.gathered_draft_state()
+    assert sorted(memory) == sorted(f"model.{k}" for k in trainer.body.model.state_dict())
+    plain = export_checkpoint(out, tmp_path / "plain", dtype="float32")
+    model = AutoModelForCausalLM.from_pretrained(plain, dtype=torch.float32)
+    assert model.config.num_hidden_layers == 2 and model.config.tie_word_embeddings is False
+    state = model.state_dict()
+    for k, v in memory.items():
+        assert torch.equal(state[k], v), k
+    assert torch.equal(state["model.embed_tokens.weight"], trainer.target.get_input_embeddings().weight)
+    assert torch.equal(state["lm_head.weight"], trainer.target.get_output_embeddings().weight)
+
+    compact = export_checkpoint(out, tmp_path / "compact", dtype="float32", compact=True)
+    assert not (compact / "model.safetensors").exists()
+    with pytest.raises(OSError):
+        AutoModelForCausalLM.from_pretrained(compact)
+    with pytest.raises(ValueError, match="pass the target"):
+        load_draft_lm(compact)
+    loaded = load_draft_lm(compact, trainer.target)
+    for k, v in loaded.state_dict().items():
+        assert torch.equal(v, state[k]), k
+    other = type(trainer.target)(trainer.target.config)
+    with pytest.raises(ValueError, match="another target"):
+        load_draft_lm(compact, other)
+    plain2 = materialize(compact, tmp_path / "plain2", dtype="float32")
+    again = AutoModelForCausalLM.from_pretrained(plain2, dtype=torch.float32).state_dict()
+    for k, v in state.items():
+        assert torch.equal(again[k], v), k
+    ids = torch.randint(0, 257, (1, 10))
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, loaded(ids).logits)

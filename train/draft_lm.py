@@ -1,0 +1,300 @@
+"""A small draft LM made from the target: its first layers plus its final norm and output layer, distilled with KL
+to the target's next-token distribution (the SSD paper's standalone-draft setting; what a transformers user passes
+as ``assistant_model``). Built with transformers' ``LlamaForCausalLM``; no modeling code is copied.
+
+What trains: the kept decoder layers and the final norm. The token embeddings and the output layer stay the
+target's (frozen): the draft embeds with the target's table and scores with the target's output layer, so neither
+is duplicated during training nor stored in checkpoints.
+
+Export layouts (:func:`save_draft_lm`):
+
+* **plain**: a complete transformers folder (``config.json``, ``model.safetensors``, ``generation_config.json``)
+  that ``AutoModelForCausalLM.from_pretrained`` loads. The output layer is tied to the embeddings exactly when the
+  target's is (the draft's head *is* the target's head), so a tied target's 49152x576 table is stored once --
+  but even once it is 28.3 M parameters, 56.6 MB in bf16.
+* **compact**: only the trained tensors (``draft_lm.safetensors``) plus ``config.json`` with an ``ssd_eagle.
+  shared_from_target`` record (tensor names, target name, and a SHA-256 of the target's embedding table).
+  ``from_pretrained`` refuses the folder loudly (no ``model.safetensors``) instead of initialising the missing
+  embedding at random; :func:`load_draft_lm` fills it from the target (checking the hash), and
+  ``python -m train.export --materialize`` writes the plain folder.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+import uuid
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+
+COMPACT_WEIGHTS = "draft_lm.safetensors"
+EMBED_NAME = "model.embed_tokens.weight"
+HEAD_NAME = "lm_head.weight"
+
+
+def _text_config(config):
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+def draft_lm_config(target_config, num_layers: int) -> LlamaConfig:
+    """The draft's ``LlamaConfig``: the target's (text) config with ``num_layers`` layers.
+
+    ``tie_word_embeddings`` is set explicitly, not inherited: True exactly when the target ties its output layer to
+    its embeddings, since the draft's output layer is the target's.
+
+    Raises:
+        ValueError: ``num_layers`` not in [1, L]; a target that is not Llama-architecture.
+    """
+    t = _text_config(target_config)
+    if getattr(t, "model_type", "llama") != "llama":
+        raise ValueError(f"the draft LM is built with LlamaForCausalLM; target model_type is {t.model_type!r}")
+    if not 1 <= num_layers <= t.num_hidden_layers:
+        raise ValueError(f"draft_lm_layers must be in [1, {t.num_hidden_layers}], got {num_layers}")
+    values = t.to_dict()
+    for key in ("architectures", "_name_or_path", "_model_name_or_path", "transformers_version", "model_type",
+                "quantization_config", "layer_types", "dtype", "torch_dtype"):
+        values.pop(key, None)
+    values["num_hidden_layers"] = num_layers
+    values["tie_word_embeddings"] = bool(getattr(t, "tie_word_embeddings", False))
+    cfg = LlamaConfig(**values)
+    cfg.architectures = ["LlamaForCausalLM"]
+    return cfg
+
+
+def embedding_digest(weight: torch.Tensor) -> str:
+    """SHA-256 of a tensor's float32 bytes (identifies the target embedding a compact draft LM needs)."""
+    return hashlib.sha256(weight.detach().to("cpu", torch.float32).contiguous().numpy().tobytes()).hexdigest()
+
+
+class DraftLMBody(nn.Module):
+    """The trainable part of the draft LM: transformers' ``LlamaModel`` without its embedding table.
+
+    The forward takes the target's (frozen) token embeddings and returns the final-normed hidden states; the loss
+    scores them with the target's output layer (:func:`kl_loss`).
+
+    Args:
+        config: the draft's :func:`draft_lm_config`.
+    """
+
+    def __init__(self, config: LlamaConfig):
+        super().__init__()
+        self.config = config
+        model = LlamaForCausalLM(config).model
+        model.embed_tokens = None  # the target's table is used; keep it out of optimizer and ZeRO partitions
+        self.model = model
+
+    @classmethod
+    def from_target(cls, target, num_layers: int, dtype: torch.dtype = torch.float32) -> DraftLMBody:
+        """Copy the target's first ``num_layers`` decoder layers and its final norm."""
+        cfg = draft_lm_config(target.config, num_layers)
+        body = cls(cfg).to(dtype)
+        src = target.get_decoder()
+        with torch.no_grad():
+            for i in range(num_layers):
+                body.model.layers[i].load_state_dict(src.layers[i].state_dict())
+            body.model.norm.load_state_dict(src.norm.state_dict())
+        return body
+
+    def forward(self, inputs_embeds: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """[B, n, H] target embeddings -> [B, n, H] final-normed hidden states (causal)."""
+        return self.model(inputs_embeds=inputs_embeds, position_ids=position_ids, use_cache=False).last_hidden_state
+
+    def trained_state_dict(self) -> dict[str, torch.Tensor]:
+        """The trained tensors under ``LlamaForCausalLM`` names (``model.layers.*``, ``model.norm.weight``)."""
+        return {f"model.{k}": v for k, v in self.model.state_dict().items()}
+
+
+class _FusedKL(torch.autograd.Function):
+    """Row-wise ``KL(softmax(th W^T) || softmax(h W^T))`` and the draft's argmax for one chunk of rows; the gradient
+    factor ``q - p`` is formed in the forward pass, so backward is one matmul and no logits are recomputed."""
+
+    @staticmethod
+    def forward(ctx, h, th, w):
+        logq = torch.log_softmax(h.float() @ w.T, dim=-1)
+        logp = torch.log_softmax(th.float() @ w.T, dim=-1)
+        p = logp.exp()
+        kl = (p * (logp - logq)).sum(-1)
+        argmax = logq.argmax(-1)
+        ctx.mark_non_differentiable(argmax)
+        if ctx.needs_input_grad[0]:
+            ctx.save_for_backward(logq.exp_().sub_(p), w)
+            ctx.in_dtype = h.dtype
+        return kl, argmax
+
+    @staticmethod
+    def backward(ctx, grad_kl, grad_argmax):
+        diff, w = ctx.saved_tensors
+        return ((diff * grad_kl[:, None]) @ w).to(ctx.in_dtype), None, None
+
+
+def kl_loss(hidden: torch.Tensor, target_hidden: torch.Tensor, lm_head_weight: torch.Tensor,
+            loss_mask: torch.Tensor, chunk: int = 512) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Mean ``KL(p_target || q_draft)`` over positions that predict an assistant token.
+
+    Position ``s`` predicts ``x_{s+1}``; it counts when ``loss_mask[s + 1] == 1``. Both distributions use the
+    target's output layer (frozen), over the full vocabulary, ``chunk`` positions at a time; the gradient w.r.t.
+    ``hidden`` is ``(q - p) W`` (formed in the forward pass: [valid positions, V] float32 kept for backward).
+
+    Args:
+        hidden: [B, n, H] the draft's final-normed states; target_hidden: [B, n, H] the target's.
+        lm_head_weight: [V, H]; loss_mask: [B, n] 0/1.
+
+    Returns:
+        ``(loss scalar, argmax int64 [B, n] of the draft (-1 where not computed), valid bool [B, n])``.
+    """
+    b, n, h = hidden.shape
+    valid = torch.zeros(b, n, dtype=torch.bool, device=hidden.device)
+    valid[:, :-1] = loss_mask[:, 1:].bool()
+    rows = valid.flatten().nonzero().flatten()
+    flat_h = hidden.reshape(-1, h)
+    flat_t = target_hidden.reshape(-1, h)
+    w = lm_head_weight.detach().float()
+    total = hidden.new_zeros((), dtype=torch.float32)
+    argmax = torch.full((b * n,), -1, dtype=torch.long, device=hidden.device)
+    for i in range(0, rows.numel(), chunk):
+        idx = rows[i:i + chunk]
+        kl, am = _FusedKL.apply(flat_h[idx], flat_t[idx], w)
+        total = total + kl.sum()
+        argmax[idx] = am
+    return total / max(rows.numel(), 1), argmax.view(b, n), valid
+
+
+@torch.no_grad()
+def draft_lm_argmax(hidden: torch.Tensor, lm_head_weight: torch.Tensor, chunk: int = 512) -> torch.Tensor:
+    """Greedy predictions of the draft at every position: [B, n, H] -> int64 [B, n]."""
+    flat = hidden.reshape(-1, hidden.shape[-1]).float()
+    w = lm_head_weight.float()
+    out = torch.cat([(flat[i:i + chunk] @ w.T).argmax(-1) for i in range(0, flat.shape[0], chunk)])
+    return out.view(hidden.shape[:-1])
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# export / import
+
+def assemble_draft_lm(config: LlamaConfig, trained: dict[str, torch.Tensor], target,
+                      dtype: torch.dtype = torch.float32) -> LlamaForCausalLM:
+    """A complete ``LlamaForCausalLM``: the trained tensors plus the target's embedding (and untied output layer).
+
+    Raises:
+        ValueError: missing or unexpected trained tensors (listed), or an embedding whose shape does not fit.
+    """
+    model = LlamaForCausalLM(copy.deepcopy(config)).to(dtype)
+    expected = set(model.state_dict()) - {EMBED_NAME, HEAD_NAME}
+    missing, unexpected = sorted(expected - set(trained)), sorted(set(trained) - expected)
+    if missing or unexpected:
+        raise ValueError(f"draft LM weights do not fit the config: missing {missing}, unexpected {unexpected}")
+    state = {k: v.to(dtype) for k, v in trained.items()}
+    emb = target.get_input_embeddings().weight
+    if tuple(emb.shape) != (config.vocab_size, config.hidden_size):
+        raise ValueError(f"target embeddings {tuple(emb.shape)} do not fit the draft config")
+    state[EMBED_NAME] = emb.detach().to("cpu", dtype)
+    if not config.tie_word_embeddings:
+        state[HEAD_NAME] = target.get_output_embeddings().weight.detach().to("cpu", dtype)
+    model.load_state_dict(state, strict=not config.tie_word_embeddings)
+    if config.tie_word_embeddings:
+        model.tie_weights()
+        if model.lm_head.weight.data_ptr() != model.model.embed_tokens.weight.data_ptr():
+            raise ValueError("the draft LM's output layer is not tied to its embeddings")
+    return model.eval()
+
+
+def _swap_in(tmp: Path, out: Path) -> None:
+    if out.exists():
+        old = out.parent / f".{out.name}.old-{uuid.uuid4().hex}"
+        os.rename(out, old)
+        os.rename(tmp, out)
+        shutil.rmtree(old)
+    else:
+        os.rename(tmp, out)
+
+
+def save_draft_lm(config: LlamaConfig, trained: dict[str, torch.Tensor], out_dir: str | os.PathLike, *,
+                  target=None, target_name: str | None = None, compact: bool = False,
+                  dtype: torch.dtype = torch.bfloat16, tokenizer=None, extra_files: dict[str, str] | None = None
+                  ) -> Path:
+    """Write the draft LM (plain or compact layout, module docstring) atomically; an existing folder is replaced.
+
+    Args:
+        config: the draft's ``LlamaConfig``; trained: its trained tensors (:meth:`DraftLMBody.trained_state_dict`).
+        target: the target model (its embedding completes a plain folder; its hash is recorded in a compact one).
+        target_name: recorded in a compact folder's config.
+        dtype: storage dtype.
+        tokenizer: saved into the folder when given.
+        extra_files: name -> text (e.g. the model card ``README.md``).
+
+    Raises:
+        ValueError: see :func:`assemble_draft_lm`; a plain export without ``target``.
+    """
+    if target is None:
+        raise ValueError("exporting a draft LM needs the target (its embedding table)")
+    out = Path(out_dir)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        if compact:
+            cfg = copy.deepcopy(config)
+            cfg.torch_dtype = str(dtype).removeprefix("torch.")
+            doc = cfg.to_dict()
+            doc["ssd_eagle"] = {"shared_from_target": {
+                "tensors": [EMBED_NAME] + ([] if config.tie_word_embeddings else [HEAD_NAME]),
+                "target": target_name,
+                "embed_sha256": embedding_digest(target.get_input_embeddings().weight)}}
+            (tmp / "config.json").write_text(json.dumps(doc, indent=2) + "\n")
+            tensors = {k: v.detach().to("cpu", dtype).contiguous() for k, v in trained.items()}
+            save_file(tensors, str(tmp / COMPACT_WEIGHTS), metadata={"format": "pt"})
+            GenerationConfig.from_model_config(cfg).save_pretrained(tmp)
+        else:
+            model = assemble_draft_lm(config, trained, target, dtype)
+            model.generation_config = GenerationConfig.from_model_config(model.config)
+            model.save_pretrained(tmp)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
+        for name, text in (extra_files or {}).items():
+            (tmp / name).write_text(text)
+        os.chmod(tmp, 0o755)
+        _swap_in(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+def is_compact_draft_lm(path: str | os.PathLike) -> bool:
+    """Whether ``path`` holds a compact draft LM export."""
+    return (Path(path) / COMPACT_WEIGHTS).exists()
+
+
+def load_draft_lm(path: str | os.PathLike, target=None, dtype: torch.dtype = torch.float32) -> LlamaForCausalLM:
+    """Load a draft LM exported in either layout.
+
+    Args:
+        path: a plain transformers folder or a compact export.
+        target: needed for a compact export (its embedding completes the model).
+
+    Raises:
+        ValueError: a compact export without ``target``, or a target whose embedding table differs from the one the
+            draft was trained with (SHA-256 mismatch).
+    """
+    path = Path(path)
+    if not is_compact_draft_lm(path):
+        return LlamaForCausalLM.from_pretrained(path, dtype=dtype).eval()
+    if target is None:
+        raise ValueError(f"{path} is a compact draft LM: pass the target model that supplies its embeddings")
+    doc = json.loads((path / "config.json").read_text())
+    shared = doc.pop("ssd_eagle", {}).get("shared_from_target", {})
+    digest = embedding_digest(target.get_input_embeddings().weight)
+    if shared.get("embed_sha256") not in (None, digest):
+        raise ValueError(f"{path} was trained with another target's embeddings (sha256 "
+                         f"{shared.get('embed_sha256')} != {digest})")
+    for key in ("architectures", "model_type", "transformers_version", "torch_dtype", "dtype"):
+        doc.pop(key, None)
+    config = LlamaConfig(**doc)
+    return assemble_draft_lm(config, load_file(str(path / COMPACT_WEIGHTS)), target, dtype)

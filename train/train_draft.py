@@ -1,0 +1,538 @@
+"""Train a draft for the target with DeepSpeed: an EAGLE-3 head (training-time test) or a small draft LM (KL).
+
+    deepspeed --num_gpus 1 train/train_draft.py --config configs/smollm2-135m-eagle3.yaml [--key value ...]
+
+Runs unchanged on CPUs (gloo) and GPUs (nccl); plain ``python train/train_draft.py ...`` trains one process. The
+target is frozen and only runs forward, through :class:`~ssd_eagle.model_runner.ModelRunner` (online mode) or once
+beforehand (offline mode, ``train/precompute_features.py``). Each rank reads its shard of the data. Checkpoints
+(``train/checkpoint.py``) are written every ``save_every`` optimizer steps and at the end; a run resumes from the
+latest, with the draft vocabulary read from the checkpoint (never recounted).
+
+Logged (tqdm bar and ``<output_dir>/metrics.jsonl``, rank 0): loss, per-TTT-step soft cross-entropy and top-1
+accuracy against the target's argmax, learning rate, gradient norm, tokens/s, and every ``eval_every`` steps the
+held-out tau. The held-out tau is a teacher-forced simulation of greedy chain drafting (K = ``eval_num_draft``
+drafts a round) on held-out text the target generated itself (``heldout_data``): for greedy decoding of that text
+it equals what the engine would measure (see :func:`train.ttt.simulate_acceptance`), without running the engine.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import socket
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+if __package__ in (None, ""):  # launched as a script (deepspeed train/train_draft.py): make the repo importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from tqdm.auto import tqdm
+
+from train import checkpoint as ckpt
+from train.config import TrainConfig, deepspeed_config, parse_args, save_config, zero_stage
+from train.ttt import (
+    AcceptanceStats,
+    draft_lm_hits,
+    draft_targets,
+    eagle3_hits,
+    simulate_acceptance,
+    ttt_loss,
+)
+
+EVAL_NUM_DRAFT = 7  # drafts per round in the held-out chain simulation (the engines' usual K)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# trainable wrappers (what DeepSpeed owns)
+
+class Eagle3Trainable(nn.Module):
+    """The EAGLE-3 head plus its TTT loss; ``forward`` returns a :class:`train.ttt.TTTOutput`."""
+
+    def __init__(self, head, num_steps: int, decay: float):
+        super().__init__()
+        self.head = head
+        self.num_steps = num_steps
+        self.decay = decay
+
+    def forward(self, input_ids, loss_mask, aux_hidden, targets, num_steps: int | None = None):
+        return ttt_loss(self.head, input_ids, loss_mask, aux_hidden, targets, num_steps or self.num_steps,
+                        self.decay)
+
+
+class DraftLMTrainable(nn.Module):
+    """The draft LM's trained body plus its KL loss; ``forward`` returns ``(loss, argmax [B, n], valid [B, n])``."""
+
+    def __init__(self, body):
+        super().__init__()
+        self.body = body
+
+    def forward(self, inputs_embeds, target_hidden, loss_mask, lm_head_weight):
+        from train.draft_lm import kl_loss
+        hidden = self.body(inputs_embeds.to(self.body.model.norm.weight.dtype))
+        return kl_loss(hidden, target_hidden, lm_head_weight, loss_mask)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# distributed helpers
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_distributed() -> tuple[int, int]:
+    """Initialise torch.distributed through DeepSpeed (gloo without GPUs, nccl with). A plain ``python`` launch
+    becomes a one-process world. Returns ``(rank, world_size)``."""
+    import deepspeed
+
+    if "RANK" not in os.environ:
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=os.environ.get("MASTER_PORT", str(_free_port())))
+    if not dist.is_initialized():
+        deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
+    return dist.get_rank(), dist.get_world_size()
+
+
+def _all_reduce(values: list[float] | torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
+    """Sum (or ``op``) a small vector over ranks; returned on the CPU in float64."""
+    t = torch.as_tensor(values, dtype=torch.float64).clone()
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        on_device = t.to(_device()) if dist.get_backend() == "nccl" else t
+        dist.all_reduce(on_device, op=op)
+        t = on_device.cpu()
+    return t
+
+
+def _device() -> torch.device:
+    from deepspeed.accelerator import get_accelerator
+    return torch.device(get_accelerator().current_device_name())
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# batching
+
+def epoch_batches(lengths: list[int], batch_size: int, seed: int, epoch: int) -> list[list[int]]:
+    """Micro-batches of sample indices for one epoch: shuffled, grouped by similar length (within windows of
+    ``64 * batch_size``) to limit padding, batch order shuffled; deterministic in ``(seed, epoch)``."""
+    rng = random.Random(seed * 1_000_003 + epoch)
+    order = list(range(len(lengths)))
+    rng.shuffle(order)
+    window = 64 * batch_size
+    batches = []
+    for i in range(0, len(order), window):
+        chunk = sorted(order[i:i + window], key=lambda j: lengths[j])
+        batches += [chunk[k:k + batch_size] for k in range(0, len(chunk), batch_size)]
+    batches = [b for b in batches if len(b) == batch_size]
+    rng.shuffle(batches)
+    return batches
+
+
+def lr_lambda(warmup: int, total: int, min_ratio: float):
+    """Linear warmup over ``warmup`` steps, then cosine decay to ``min_ratio`` at ``total``."""
+    def f(step: int) -> float:
+        if warmup and step < warmup:
+            return (step + 1) / warmup
+        progress = min(1.0, (step - warmup) / max(1, total - warmup))
+        return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+    return f
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# trainer
+
+class Trainer:
+    """One training run (see the module docstring). Construct on every rank after :func:`init_distributed`.
+
+    Raises:
+        ValueError: data/config problems (no data, features made for other aux ids or another target, a checkpoint
+            of another kind or geometry than the config asks for).
+    """
+
+    def __init__(self, cfg: TrainConfig):
+        import deepspeed
+
+        from ssd_eagle.assets import load_model
+
+        self.cfg = cfg
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.device = _device()
+        if cfg.num_threads:
+            torch.set_num_threads(cfg.num_threads)
+        torch.manual_seed(cfg.seed)
+        self.out = Path(cfg.output_dir)
+        self.ckpt_root = self.out / ckpt.CHECKPOINTS
+        if self.rank == 0:
+            self.ckpt_root.mkdir(parents=True, exist_ok=True)
+        self.dtype = getattr(torch, cfg.dtype)
+
+        self.target, self.tokenizer = load_model(cfg.target, dtype=torch.float32, device=self.device)
+        self.target.requires_grad_(False)
+        self.target_embed = self.target.get_input_embeddings()
+        self.lm_head_weight = self.target.get_output_embeddings().weight.detach()
+        num_layers = self.target.config.get_text_config().num_hidden_layers
+
+        self.resume_dir = ckpt.latest_checkpoint(self.ckpt_root) if cfg.resume else None
+        self.snapshot = ckpt.read_draft_config(self.resume_dir) if self.resume_dir else None
+        if self.snapshot and self.snapshot["kind"] != cfg.draft:
+            raise ValueError(f"{self.resume_dir} holds a {self.snapshot['kind']} draft, the config trains "
+                             f"{cfg.draft}; use another output_dir or resume=false")
+
+        from ssd_eagle.model_runner import default_aux_layer_ids
+        self.aux_layer_ids = None
+        if cfg.draft == "eagle3":
+            self.aux_layer_ids = tuple(cfg.aux_layer_ids) if cfg.aux_layer_ids else default_aux_layer_ids(num_layers)
+            if self.snapshot:
+                saved = tuple(self.snapshot["config"]["aux_layer_ids"])
+                if saved != self.aux_layer_ids:
+                    raise ValueError(f"checkpoint aux_layer_ids {saved} != config {self.aux_layer_ids}")
+
+        self._load_data()
+        self.module = self._build_draft()
+        self._plan()
+
+        params = [p for p in self.module.parameters() if p.requires_grad]
+        optimizer = torch.optim.AdamW(params, lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2),
+                                      weight_decay=cfg.weight_decay)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(
+            optimizer, lr_lambda(cfg.warmup_steps, self.total_steps, cfg.min_lr_ratio))
+        self.ds_config = deepspeed_config(cfg, self.world)
+        self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
+            model=self.module, optimizer=optimizer, lr_scheduler=scheduler, config=self.ds_config)
+        self.state = {"step": 0, "micro_step": 0, "tokens": 0, "elapsed_s": 0.0, "last_metrics": None,
+                      "last_heldout": None}
+        if self.resume_dir is not None:
+            self._resume()
+
+    # --- setup --------------------------------------------------------------------------------------------
+    def _load_data(self) -> None:
+        """This rank's training samples, global data stats, and the held-out set."""
+        cfg = self.cfg
+        self.extractor = None
+        if cfg.mode == "online":
+            from train.data import build_dataset, load_conversations
+            from train.features import TargetFeatureExtractor
+
+            if not cfg.data:
+                raise ValueError("online mode needs data (training conversations)")
+            convs = load_conversations(cfg.data, limit=cfg.data_limit)
+            dataset, stats = build_dataset([c["messages"] for c in convs], self.tokenizer,
+                                           max_length=cfg.max_length, rank=self.rank, world_size=self.world,
+                                           shuffle_seed=cfg.seed, check_heldout=cfg.check_heldout,
+                                           progress=cfg.progress and self.rank == 0)
+            self.samples = dataset
+            self.lengths = list(dataset["length"])
+            self.data_stats = {"source": cfg.data, **stats.as_dict()}
+            self.get_sample = lambda i: self.samples[i]
+            self.extractor = TargetFeatureExtractor(self.target, self.aux_layer_ids, cfg.micro_batch_size,
+                                                    cfg.max_length)
+            self.token_rows = lambda: ({"input_ids": r["input_ids"], "loss_mask": r["loss_mask"]}
+                                       for r in self.samples)
+        else:
+            from train.features import FeatureStore
+
+            store = FeatureStore(cfg.features_dir)
+            meta = store.meta
+            want = list(self.aux_layer_ids) if self.aux_layer_ids else None
+            if want is not None and meta.get("aux_layer_ids") != want:
+                raise ValueError(f"{cfg.features_dir} holds aux states of layers {meta.get('aux_layer_ids')}, "
+                                 f"the head needs {want}; recompute the features")
+            if meta.get("target") not in (None, cfg.target):
+                raise ValueError(f"{cfg.features_dir} was made with target {meta.get('target')!r}, not "
+                                 f"{cfg.target!r}")
+            indices = list(range(len(store)))[: cfg.data_limit]
+            lo = self.rank * len(indices) // self.world
+            hi = (self.rank + 1) * len(indices) // self.world
+            mine = indices[lo:hi]
+            self.samples = store
+            self.lengths = [store.lengths[i] for i in mine]
+            self.get_sample = lambda i: store.get(mine[i])
+            self.token_rows = lambda: (store.get(i, with_hidden=False) for i in mine)
+            tokens = _all_reduce([sum(self.lengths)])
+            self.data_stats = {"source": meta.get("data", cfg.features_dir), "features_dir": cfg.features_dir,
+                               "num_conversations": len(indices), "num_tokens": int(tokens[0]),
+                               "max_length": meta.get("max_length")}
+        if not self.lengths:
+            raise ValueError(f"rank {self.rank} has no training samples")
+        self.heldout = self._load_heldout()
+
+    def _load_heldout(self) -> list[dict]:
+        """Held-out samples with target features (computed once, through the same extractor path)."""
+        cfg = self.cfg
+        if not cfg.heldout_data or cfg.heldout_samples == 0:
+            return []
+        from train.data import build_dataset, load_conversations
+        from train.features import TargetFeatureExtractor
+
+        convs = load_conversations(cfg.heldout_data, limit=cfg.heldout_samples)
+        dataset, _ = build_dataset([c["messages"] for c in convs], self.tokenizer, max_length=cfg.max_length,
+                                   shuffle_seed=None, check_heldout=False, progress=False)
+        extractor = self.extractor or TargetFeatureExtractor(self.target, self.aux_layer_ids, 1, cfg.max_length)
+        out = []
+        for row in dataset:
+            feats = extractor([{"input_ids": row["input_ids"], "loss_mask": row["loss_mask"]}])
+            out.append({"batch": feats})
+        return out
+
+    def _build_draft(self) -> nn.Module:
+        cfg = self.cfg
+        if cfg.draft == "eagle3":
+            from ssd_eagle.models.eagle3 import Eagle3Config, Eagle3DraftModel
+            from train.vocab import build_draft_vocab, count_token_frequencies, save_token_counts
+
+            if self.snapshot:  # resume: the vocabulary mapping comes from the checkpoint, never recounted
+                config = Eagle3Config(**self.snapshot["config"])
+                if config.draft_vocab_size != cfg.draft_vocab_size:
+                    raise ValueError(f"checkpoint draft_vocab_size {config.draft_vocab_size} != config "
+                                     f"{cfg.draft_vocab_size}")
+                tensors = ckpt.read_draft_tensors(self.resume_dir)
+                d2t, t2d = tensors["d2t"], tensors["t2d"]
+            else:
+                vocab_size = self.target.config.get_text_config().vocab_size
+                counts = count_token_frequencies(self.token_rows(), vocab_size, progress=False)
+                counts = _all_reduce(counts.double()).long()  # every rank counts its shard; same vocab everywhere
+                d2t, t2d = build_draft_vocab(counts, cfg.draft_vocab_size)
+                if self.rank == 0:
+                    self.out.mkdir(parents=True, exist_ok=True)
+                    save_token_counts(self.out / "token_counts.json", counts,
+                                      {"target": cfg.target, "data": str(self.data_stats.get("source")),
+                                       "max_length": cfg.max_length})
+                config = Eagle3Config.from_target(self.target.config, cfg.draft_vocab_size, self.aux_layer_ids,
+                                                  torch_dtype=cfg.dtype)
+                self.vocab_coverage = float(counts[t2d].sum() / counts.sum().clamp_min(1))
+            config.validate_against_target(self.target.config)
+            head = Eagle3DraftModel(config, attn_implementation=cfg.attn_implementation).to(self.dtype)
+            head.set_vocab_mapping(d2t, t2d)
+            head.set_embeddings(self.target_embed)
+            head.to(self.device)
+            self.head = head
+            return Eagle3Trainable(head, cfg.ttt_steps, cfg.ttt_decay)
+        from train.draft_lm import DraftLMBody
+
+        if self.snapshot and self.snapshot["config"]["num_hidden_layers"] != cfg.draft_lm_layers:
+            raise ValueError(f"checkpoint has {self.snapshot['config']['num_hidden_layers']} layers, config "
+                             f"draft_lm_layers={cfg.draft_lm_layers}")
+        body = DraftLMBody.from_target(self.target, cfg.draft_lm_layers, self.dtype).to(self.device)
+        self.body = body
+        return DraftLMTrainable(body)
+
+    def _plan(self) -> None:
+        cfg = self.cfg
+        per_epoch = len(epoch_batches(self.lengths, cfg.micro_batch_size, cfg.seed, 0))
+        per_epoch = int(_all_reduce([per_epoch], dist.ReduceOp.MIN)[0])  # every rank runs the same steps
+        if per_epoch == 0:
+            raise ValueError(f"fewer samples per rank than micro_batch_size={cfg.micro_batch_size}")
+        self.batches_per_epoch = per_epoch
+        if cfg.max_steps is not None:
+            self.total_steps = cfg.max_steps
+        else:
+            self.total_steps = max(1, math.ceil(cfg.epochs * per_epoch / cfg.grad_accum))
+        self.total_micro = self.total_steps * cfg.grad_accum
+        self._epoch_cache: dict[int, list[list[int]]] = {}
+
+    def _resume(self) -> None:
+        d = self.resume_dir
+        _, client = self.engine.load_checkpoint(str(self.ckpt_root), tag=d.name)
+        if client is None:
+            raise ValueError(f"DeepSpeed could not load {d}")
+        self.state.update(json.loads((d / ckpt.TRAINER_STATE).read_text()))
+        if self.cfg.draft == "eagle3":
+            saved = ckpt.read_draft_tensors(d)
+            if not (torch.equal(self.head.d2t.cpu(), saved["d2t"]) and torch.equal(self.head.t2d.cpu(), saved["t2d"])):
+                raise ValueError(f"{d}: the resumed head's vocabulary mapping differs from the checkpoint's")
+
+    # --- batches and features -----------------------------------------------------------------------------
+    def _micro_batch(self, micro_step: int) -> list[dict]:
+        epoch, i = divmod(micro_step, self.batches_per_epoch)
+        if epoch not in self._epoch_cache:
+            self._epoch_cache = {epoch: epoch_batches(self.lengths, self.cfg.micro_batch_size, self.cfg.seed,
+                                                      epoch)[: self.batches_per_epoch]}
+        return [self.get_sample(j) for j in self._epoch_cache[epoch][i]]
+
+    def _features(self, samples: list[dict]):
+        if self.extractor is not None:
+            return self.extractor(samples)
+        from train.features import collate_features
+        return collate_features(samples).to(self.device)
+
+    def _forward(self, batch, num_steps: int | None = None):
+        """Run the engine on a :class:`~train.features.TargetBatch`. Returns ``(loss, step_loss [K], step_correct
+        [K], step_count [K], hits [B, n, K])``."""
+        if self.cfg.draft == "eagle3":
+            targets = draft_targets(batch.last_hidden, self.lm_head_weight, self.head.draft_target_ids,
+                                    self.head.t2d, argmax=batch.argmax)
+            out = self.engine(batch.input_ids, batch.loss_mask, batch.aux_hidden.to(self.dtype), targets,
+                              num_steps)
+            hits = eagle3_hits(out.draft_argmax, self.head.draft_target_ids, batch.input_ids)
+            return out.loss, out.step_loss, out.step_correct, out.step_count, hits
+        embeds = self.target_embed(batch.input_ids).detach()
+        loss, argmax, valid = self.engine(embeds, batch.last_hidden, batch.loss_mask, self.lm_head_weight)
+        correct = ((argmax == batch.argmax) & valid).sum().float()
+        hits = draft_lm_hits(argmax, batch.input_ids, num_steps or EVAL_NUM_DRAFT)
+        return loss, loss.detach()[None], correct[None], valid.sum().float()[None], hits
+
+    # --- evaluation ---------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def evaluate_heldout(self) -> dict | None:
+        """Teacher-forced tau on the held-out set (all ranks take part; samples are split between them)."""
+        if not self.heldout:
+            return None
+        self.engine.eval()
+        k = EVAL_NUM_DRAFT
+        per_rank = math.ceil(len(self.heldout) / self.world)
+        stats = AcceptanceStats(accepted_hist=[0] * (k + 1))
+        correct = torch.zeros(k if self.cfg.draft == "eagle3" else 1, dtype=torch.float64)
+        count = torch.zeros_like(correct)
+        for j in range(per_rank):  # equal forward counts on every rank (ZeRO-3 gathers inside forwards)
+            idx = self.rank * per_rank + j
+            real = idx < len(self.heldout)
+            batch = self.heldout[min(idx, len(self.heldout) - 1)]["batch"]
+            _, _, c, n, hits = self._forward(batch, num_steps=k)
+            if real:
+                stats.merge(simulate_acceptance(hits[0], batch.loss_mask[0], k))
+                correct += c.double().cpu()
+                count += n.double().cpu()
+        self.engine.train()
+        totals = _all_reduce([stats.rounds, stats.emitted, *stats.accepted_hist, *correct.tolist(), *count.tolist()])
+        rounds, emitted = totals[0].item(), totals[1].item()
+        m = correct.numel()
+        acc = (totals[3 + k:3 + k + m] / totals[3 + k + m:].clamp_min(1)).tolist()
+        return {"heldout_tau": emitted / rounds if rounds else math.nan, "heldout_rounds": int(rounds),
+                "heldout_accepted_hist": [int(x) for x in totals[2:3 + k].tolist()], "heldout_acc": acc,
+                "heldout_num_draft": k}
+
+    # --- checkpoints --------------------------------------------------------------------------------------
+    def gathered_draft_state(self) -> dict[str, torch.Tensor]:
+        """The draft's full trained tensors (gathered from ZeRO-3 partitions; every rank must call). Rank 0
+        gets the tensors, other ranks an empty dict."""
+        import deepspeed
+
+        inner = self.engine.module
+        with deepspeed.zero.GatheredParameters(list(inner.parameters()), modifier_rank=None):
+            if self.rank != 0:
+                return {}
+            if self.cfg.draft == "eagle3":
+                return {k: v.detach().to("cpu").clone() for k, v in self.head.state_dict().items()}
+            return {k: v.detach().to("cpu").clone() for k, v in self.body.trained_state_dict().items()}
+
+    def draft_config_dict(self) -> dict:
+        if self.cfg.draft == "eagle3":
+            d = asdict(self.head.config)
+            d["aux_layer_ids"] = list(d["aux_layer_ids"])
+            return d
+        return self.body.config.to_dict()
+
+    def save_checkpoint(self) -> Path | None:
+        """Write a checkpoint of the current step on every rank and commit it atomically (rank 0)."""
+        tag = ckpt.step_tag(self.state["step"])
+        tmp_tag = ckpt.TMP_PREFIX + tag
+        self.engine.save_checkpoint(str(self.ckpt_root), tag=tmp_tag, client_state={"trainer": self.state},
+                                    save_latest=False)
+        tensors = self.gathered_draft_state()
+        path = None
+        if self.rank == 0:
+            step_dir = self.ckpt_root / tmp_tag
+            extra = {"target": self.cfg.target, "aux_layer_ids_convention": "input_of_layer"}
+            ckpt.write_draft_snapshot(step_dir, self.cfg.draft, self.draft_config_dict(), tensors, extra)
+            state = dict(self.state, data=self.data_stats, world_size=self.world,
+                         zero_stage=zero_stage(self.ds_config), total_steps=self.total_steps,
+                         vocab_coverage=getattr(self, "vocab_coverage", self.state.get("vocab_coverage")))
+            (step_dir / ckpt.TRAINER_STATE).write_text(json.dumps(state, indent=2) + "\n")
+            save_config(self.cfg, step_dir / ckpt.TRAIN_CONFIG)
+            path = ckpt.commit_checkpoint(self.ckpt_root, tmp_tag, tag, self.cfg.keep_checkpoints)
+        dist.barrier()
+        return path
+
+    # --- training loop ------------------------------------------------------------------------------------
+    def _log(self, record: dict) -> None:
+        if self.rank == 0:
+            with open(self.out / "metrics.jsonl", "a") as f:
+                f.write(json.dumps(record) + "\n")
+
+    def train(self) -> dict:
+        """Run to ``total_steps``; returns the last logged metrics (with the held-out estimate when enabled)."""
+        cfg = self.cfg
+        ga = cfg.grad_accum
+        k = cfg.ttt_steps if cfg.draft == "eagle3" else 1
+        if "vocab_coverage" not in self.state:
+            self.state["vocab_coverage"] = getattr(self, "vocab_coverage", None)
+        bar = tqdm(total=self.total_steps, initial=self.state["step"], desc=f"train {cfg.draft}",
+                   disable=not (cfg.progress and self.rank == 0), dynamic_ncols=True)
+        window = {"loss": 0.0, "micro": 0, "ce": torch.zeros(k, dtype=torch.float64),
+                  "correct": torch.zeros(k, dtype=torch.float64), "count": torch.zeros(k, dtype=torch.float64),
+                  "tokens": 0, "train_s": 0.0}
+        start_elapsed, t_start = self.state["elapsed_s"], time.perf_counter()
+        metrics = self.state.get("last_metrics") or {}
+        self.engine.train()
+        while self.state["micro_step"] < self.total_micro:
+            t0 = time.perf_counter()
+            samples = self._micro_batch(self.state["micro_step"])
+            batch = self._features(samples)
+            loss, step_loss, correct, count, _ = self._forward(batch)
+            self.engine.backward(loss)
+            self.engine.step()
+            window["train_s"] += time.perf_counter() - t0
+            self.state["micro_step"] += 1
+            window["loss"] += float(loss.detach())
+            window["micro"] += 1
+            window["ce"] += (step_loss.double() * count.double()).cpu()
+            window["correct"] += correct.double().cpu()
+            window["count"] += count.double().cpu()
+            window["tokens"] += batch.num_tokens
+            if self.state["micro_step"] % ga:
+                continue
+            self.state["step"] += 1
+            step = self.state["step"]
+            bar.update(1)
+            last = step == self.total_steps
+            if step % cfg.log_every == 0 or last:
+                sums = _all_reduce([window["loss"], window["micro"], window["tokens"], *window["ce"].tolist(),
+                                    *window["correct"].tolist(), *window["count"].tolist()])
+                dt = float(_all_reduce([window["train_s"]], dist.ReduceOp.MAX)[0])
+                ce, cor, cnt = sums[3:3 + k], sums[3 + k:3 + 2 * k], sums[3 + 2 * k:]
+                self.state["tokens"] += int(sums[2])
+                grad_norm = self.engine.get_global_grad_norm()
+                metrics = {
+                    "step": step, "epoch": round(self.state["micro_step"] / self.batches_per_epoch, 4),
+                    "loss": sums[0].item() / max(sums[1].item(), 1),
+                    "step_loss": (ce / cnt.clamp_min(1)).tolist(), "step_acc": (cor / cnt.clamp_min(1)).tolist(),
+                    "lr": self.scheduler.get_last_lr()[0],
+                    "grad_norm": float(grad_norm) if grad_norm is not None else None,
+                    "tokens": self.state["tokens"], "tokens_per_s": sums[2].item() / max(dt, 1e-9),  # compute time
+                    "elapsed_s": start_elapsed + time.perf_counter() - t_start,
+                }
+                self._log(metrics)
+                self.state["last_metrics"] = metrics
+                bar.set_postfix(loss=f"{metrics['loss']:.3f}", acc0=f"{metrics['step_acc'][0]:.3f}",
+                                tok_s=f"{metrics['tokens_per_s']:.0f}")
+                window = {key: (v.zero_() if torch.is_tensor(v) else 0) for key, v in window.items()}
+            if (cfg.eval_every and step % cfg.eval_every == 0) or last:
+                held = self.evaluate_heldout()
+                if held is not None:
+                    held["step"] = step
+                    self._log(held)
+                    self.state["last_heldout"] = held
+                    bar.set_postfix(loss=f"{metrics.get('loss', math.nan):.3f}", tau=f"{held['heldout_tau']:.2f}")
+            self.state["elapsed_s"] = start_elapsed + time.perf_counter() - t_start
+            if step % cfg.save_every == 0 or last:
+                self.save_checkpoint()
+        bar.close()
+        return dict(metrics, **(self.state.get("last_heldout") or {}))
+
+
+def main(argv: list[str] | None = None) -> dict:
+    """Parse ``--config`` and overrides, initialise distributed training, train."""
+    cfg = parse_args(sys.argv[1:] if argv is None else argv)
+    init_distributed()
+    return Trainer(cfg).train()
+
+
+if __name__ == "__main__":
+    main()
