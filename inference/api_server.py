@@ -20,7 +20,6 @@ A client that disconnects has its request aborted in the engine.
 from __future__ import annotations
 
 import asyncio
-import codecs
 import dataclasses
 import hmac
 import json
@@ -45,8 +44,9 @@ from inference.async_engine import AsyncEngine, EngineStepError, EngineUnavailab
 from inference.metrics import ServerMetrics
 from inference.protocol import (ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest,
                                 ChatCompletionResponse, ChatMessageOut, CompletionChoice, CompletionLogprobs,
-                                CompletionRequest, CompletionResponse, DeltaMessage, ErrorInfo, ErrorResponse,
-                                ModelCard, ModelList, RequestError, TokenTexts, Usage, chat_logprobs, dump_chunk)
+                                CompletionLogprobsBuilder, CompletionRequest, CompletionResponse, DeltaMessage,
+                                ErrorInfo, ErrorResponse, ModelCard, ModelList, RequestError, TokenTexts, Usage,
+                                chat_logprobs, dump_chunk)
 
 log = logging.getLogger(__name__)
 
@@ -113,7 +113,8 @@ def build_app(engine, served_model_name: str | Sequence[str], *, api_key: str | 
     Args:
         engine: an :class:`~ssd_eagle.engine.llm_engine.LLMEngine` (from then on driven by the app's engine
             thread only; it starts and stops with the app's lifespan).
-        served_model_name: the name(s) clients use in ``model``; the first is reported in responses.
+        served_model_name: the name(s) clients may pass as ``model`` (responses echo the name used; the first
+            when the request omits it).
         api_key: when set, ``/v1/*`` requires ``Authorization: Bearer <api_key>``.
         max_queue: most requests waiting for a batch slot before 503.
         max_request_bytes: largest request body (413 beyond).
@@ -265,9 +266,11 @@ async def health(request: Request) -> JSONResponse:
     if not server.async_engine.accepting:
         status = "draining" if server.async_engine.alive else "stopped"
         return JSONResponse({"status": status}, status_code=503)
-    if not getattr(server.engine.drafter, "healthy", True):
+    drafter = server.engine.drafter
+    if not getattr(drafter, "healthy", True):
+        error = getattr(drafter, "error", None)
         return JSONResponse({"status": "degraded", "reason": "the drafter reports unhealthy; decoding continues "
-                                                           "without speculation"})
+                                                           "without speculation" + (f" ({error})" if error else "")})
     if server.async_engine.last_step_failed:
         return JSONResponse({"status": "degraded", "reason": "the last engine step failed"})
     return JSONResponse({"status": "ok"})
@@ -498,21 +501,13 @@ class _CompletionFormatter:
         self.server, self.request_id, self.model = server, request_id, model
         self.logprobs, self.include_usage = logprobs, include_usage
         self.created = int(time.time())
-        self._offset = 0  # characters of the completion before the next token (for text_offset)
-        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self._logprobs_builder = CompletionLogprobsBuilder(server.token_texts)
 
     def _logprobs(self, out: RequestOutput, num_tokens: int) -> CompletionLogprobs | None:
         if not self.logprobs or num_tokens == 0:
             return None
-        texts = self.server.token_texts
-        lp = CompletionLogprobs()
-        for entry in out.outputs[0].logprobs[len(out.outputs[0].logprobs) - num_tokens:]:
-            lp.tokens.append(texts.text_of(entry.token_id))
-            lp.token_logprobs.append(entry.logprob)
-            lp.top_logprobs.append({texts.text_of(t): v for t, v in entry.top.items()})
-            lp.text_offset.append(self._offset)
-            self._offset += len(self._utf8.decode(texts.bytes_of(entry.token_id)))
-        return lp
+        entries = out.outputs[0].logprobs
+        return self._logprobs_builder.build(entries[len(entries) - num_tokens:])
 
     def _wrap(self, choice: CompletionChoice, out: RequestOutput | None, usage: Usage | None = None) -> dict:
         stats = self.server.spec_stats(out) if out is not None and out.finished else None

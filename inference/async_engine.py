@@ -11,8 +11,9 @@ engine thread, inside the ``prepare`` callable given to :meth:`AsyncEngine.add_r
 by one thread only (the event loop only maps single token ids to strings for logprobs).
 
 Failure handling: an exception from ``engine.step()`` fails only the requests that were decoding (they get
-:class:`EngineStepError`; they are aborted in the engine so their slots are freed), waiting requests go on and
-the loop keeps serving.
+:class:`EngineStepError`; they are aborted in the engine so their slots are freed), waiting requests go on (unless
+nothing was decoding: then they fail too, so a step that cannot even admit cannot spin) and the loop keeps
+serving.
 """
 
 from __future__ import annotations
@@ -336,6 +337,8 @@ class AsyncEngine:
         engine = self.engine
         waiting = {seq.request_id for seq in engine.waiting}
         affected = [rid for rid in list(engine.requests) if rid not in waiting]
+        if not affected:  # it failed before decoding anything: fail the waiting ones rather than retry forever
+            affected = list(engine.requests)
         log.error("engine step failed; failing the requests being decoded", exc_info=err,
                   extra={"fields": {"event": "engine_step_error", "error": f"{type(err).__name__}: {err}",
                                     "failed_requests": affected}})

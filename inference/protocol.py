@@ -12,6 +12,7 @@ Extras beyond OpenAI (vLLM's names): ``top_k``, ``ignore_eos``, ``stop_token_ids
 
 from __future__ import annotations
 
+import codecs
 import functools
 import re
 import time
@@ -416,18 +417,25 @@ class TokenTexts:
             return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
 
 
-def completion_logprobs(entries: list[TokenLogprob], texts: TokenTexts, offset: int = 0) -> CompletionLogprobs:
-    """OpenAI legacy logprobs for ``entries``; ``text_offset`` counts characters of token strings from ``offset``
-    (the number of characters of the completion before these tokens)."""
-    out = CompletionLogprobs()
-    for entry in entries:
-        token = texts.text_of(entry.token_id)
-        out.tokens.append(token)
-        out.token_logprobs.append(entry.logprob)
-        out.top_logprobs.append({texts.text_of(t): lp for t, lp in entry.top.items()})
-        out.text_offset.append(offset)
-        offset += len(token)
-    return out
+class CompletionLogprobsBuilder:
+    """OpenAI legacy completions logprobs of one request, built a step at a time (streamed chunks continue the
+    offsets). ``text_offset`` is the character offset in the completion text where each token starts; a token
+    that ends inside a multi-byte character starts at the offset of that character."""
+
+    def __init__(self, texts: TokenTexts):
+        self.texts = texts
+        self._offset = 0
+        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def build(self, entries: list[TokenLogprob]) -> CompletionLogprobs:
+        texts, out = self.texts, CompletionLogprobs()
+        for entry in entries:
+            out.tokens.append(texts.text_of(entry.token_id))
+            out.token_logprobs.append(entry.logprob)
+            out.top_logprobs.append({texts.text_of(t): lp for t, lp in entry.top.items()})
+            out.text_offset.append(self._offset)
+            self._offset += len(self._utf8.decode(texts.bytes_of(entry.token_id)))
+        return out
 
 
 def chat_logprobs(entries: list[TokenLogprob], texts: TokenTexts) -> ChatLogprobs:

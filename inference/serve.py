@@ -175,7 +175,11 @@ def main(argv: list[str] | None = None) -> int:
                                           "model": args.model, "mode": engine.mode_name,
                                           "max_model_len": engine.max_model_len, "max_num_seqs": engine.max_num_seqs,
                                           "auth": bool(args.api_key)}})
-    server.run()
+    try:
+        server.run()
+    finally:  # the engine thread has stopped: releasing the drafter (e.g. SSD's speculator process) is safe now
+        if engine.drafter is not None:
+            engine.drafter.close()
     return 0 if server.started else 1
 
 

@@ -432,6 +432,24 @@ def test_engine_step_failure_fails_only_in_flight_requests_and_keeps_serving():
         assert not engine.has_unfinished() and not engine.requests
 
 
+def test_engine_failing_before_admission_fails_the_waiting_request_instead_of_spinning():
+    engine = make_engine()
+    step = engine.step
+    failures = []
+
+    def broken_step():
+        if not failures:
+            failures.append(1)
+            raise RuntimeError("cannot admit")
+        return step()
+
+    engine.step = broken_step
+    with TestClient(build_app(engine, MODEL)) as client:
+        error_of(client.post("/v1/completions", json={"prompt": "Hey", "max_tokens": 5}), 500)
+        assert len(failures) == 1 and not engine.has_unfinished()
+        assert client.post("/v1/completions", json={"prompt": "Hey", "max_tokens": 5}).status_code == 200
+
+
 # ------------------------------------------------------------------------------------------- concurrency
 def test_mixed_sampling_parameters_share_a_batch():
     bodies = [{"prompt": "Hey", "max_tokens": 30, "temperature": 0},
@@ -469,7 +487,10 @@ def test_client_disconnect_aborts_the_request(stream):
                 app, "POST", "/v1/completions", body, disconnect_after_chunks=2 if stream else None,
                 disconnect_after_s=None if stream else 0.3)
             rid = headers["x-request-id"]
-            await asyncio.sleep(0.2)
+            for _ in range(500):  # the abort reaches the engine before its next step
+                if rid not in engine.requests:
+                    break
+                await asyncio.sleep(0.01)
             before = produced[rid]
             await asyncio.sleep(0.3)
             assert produced[rid] == before < 150  # the engine stopped producing tokens for it
@@ -484,6 +505,27 @@ def test_client_disconnect_aborts_the_request(stream):
     assert not stream or b"[DONE]" not in b"".join(chunks)
 
 
+def test_disconnect_while_queued_never_reaches_the_batch():
+    async def run():
+        engine = make_engine(max_num_seqs=1)
+        produced = instrument(engine, delay=0.02)
+        app = build_app(engine, MODEL)
+        async with lifespan(app):
+            busy = asyncio.create_task(asgi_request(app, "POST", "/v1/completions",
+                                                    {"prompt": "Hey", "max_tokens": 60}))
+            while app.state.server.async_engine.num_running == 0:
+                await asyncio.sleep(0.01)
+            status, headers, _ = await asgi_request(app, "POST", "/v1/chat/completions",
+                                                    {"messages": CHAT, "max_tokens": 50, "stream": True},
+                                                    disconnect_after_s=0.1)
+            assert app.state.server.async_engine.num_queued == 0
+            assert (await busy)[0] == 200
+            return produced[headers["x-request-id"]] if headers else None, status, engine.has_unfinished()
+
+    produced, status, unfinished = asyncio.run(run())
+    assert produced == 0 and status == 200 and not unfinished
+
+
 def test_queue_bound_returns_503():
     async def run():
         engine = make_engine(max_num_seqs=2)
@@ -493,7 +535,7 @@ def test_queue_bound_returns_503():
         body = {"prompt": "Hey", "max_tokens": 40}
 
         async def until(condition):
-            for _ in range(300):
+            for _ in range(1000):
                 if condition():
                     return
                 await asyncio.sleep(0.01)
