@@ -105,6 +105,9 @@ def _apply_yaml(parser: argparse.ArgumentParser, path: str) -> None:
             continue
         if dest == "speculative_config" and isinstance(value, dict):
             value = json.dumps(value)
+        elif action.nargs == 0:  # store_true / store_false flags
+            if not isinstance(value, bool):
+                parser.error(f"--config {path}: {key!r} must be true or false, got {value!r}")
         elif action.nargs == "+":
             value = [str(v) for v in (value if isinstance(value, list) else [value])]
         else:

@@ -191,10 +191,11 @@ def summarize(phase: Phase, rss_before: float | None, rss_after: float | None, r
 
     growth = None if rss_before is None or rss_after is None else round(100 * (rss_after / rss_before - 1), 2)
     return {
-        "clients": args.clients, "duration_s": round(elapsed, 1), "endpoint": args.endpoint,
+        "clients": args.clients, "duration_s": args.duration, "endpoint": args.endpoint,
+        "elapsed_s": round(elapsed, 1),  # the duration plus the tail: requests started before it ended finish
         "max_tokens": args.max_tokens, "requests": len(phase.results), "completed": len(ok),
         "errors": sum(errors.values()), "errors_by_kind": errors,
-        "requests_per_s": round(len(ok) / elapsed, 3), "output_tokens_per_s": round(tokens / elapsed, 2),
+        "requests_per_s": round(len(ok) / elapsed, 3), "output_tokens_per_s": round(tokens / elapsed, 2),  # /elapsed
         "mean_output_tokens": round(tokens / len(ok), 1) if ok else None,
         "latency_ms": {"p50": ms(percentile(lat, 50)), "p90": ms(percentile(lat, 90)), "p99": ms(percentile(lat, 99)),
                        "max": ms(max(lat) if lat else None)},

@@ -581,15 +581,17 @@ def test_draining_refuses_new_requests_and_finishes_in_flight_ones():
 
 
 # ----------------------------------------------------------------------------------------------- config
-def test_yaml_config_and_flags(tmp_path):
+def test_yaml_config_and_flags(tmp_path, monkeypatch):
+    monkeypatch.delenv("SSD_EAGLE_API_KEY", raising=False)
     path = tmp_path / "serve.yaml"
-    path.write_text("port: 9001\nmax-queue: 20\nmode: ar\nserved_model_name: smol\n"
-                    "speculative_config: {method: ngram, num_speculative_tokens: 3}\n")
+    path.write_text("port: 9001\nmax-queue: 20\nmode: ar\nserved_model_name: smol\npin_cpus: false\n"
+                    "speculative_config: {method: ngram, num_speculative_tokens: 3}\napi_key: null\n")
     args = parse_args(["--config", str(path), "--port", "9002"])
     assert (args.port, args.max_queue, args.mode, args.served_model_name) == (9002, 20, "ar", ["smol"])
+    assert args.pin_cpus is False and args.api_key is None
     assert json.loads(args.speculative_config)["num_speculative_tokens"] == 3
     assert (args.host, parse_args([]).port) == ("127.0.0.1", 8000)
-    for bad in ("prot: 1\n", "port: abc\n", "dtype: float8\n", "- port\n"):
+    for bad in ("prot: 1\n", "port: abc\n", "dtype: float8\n", "- port\n", "pin_cpus: 'no'\n"):
         path.write_text(bad)
         with pytest.raises(SystemExit):
             parse_args(["--config", str(path)])
