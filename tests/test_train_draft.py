@@ -260,7 +260,7 @@ def test_simulate_acceptance_walk():
     stats = simulate_acceptance(hits, mask, k)
     assert (stats.rounds, stats.emitted) == (3, 9)
     assert stats.tau == 3.0
-    assert stats.accepted_hist == [0, 0, 2, 1]
+    assert stats.accepted_hist == [0, 0, 1, 2] and stats.accepted_lengths == [2, 3, 3]  # before the end's cut
     none = simulate_acceptance(torch.zeros(n, k, dtype=torch.bool), mask, k)
     assert (none.rounds, none.emitted, none.tau) == (9, 9, 1.0)
 
@@ -382,6 +382,39 @@ def test_aux_ids_fed_in_training_equal_serving(tiny_setup, tmp_path):
     torch.testing.assert_close(feats.aux_hidden, torch.cat([hs[i] for i in (1, 4, 6)], -1), rtol=1e-5, atol=1e-5)
 
 
+def test_offline_features_are_incremental_and_equal_online(tiny_setup, tmp_path):
+    from train.data import load_conversations
+    from train.features import FeatureStore, TargetFeatureExtractor, conversation_key
+    from train.precompute_features import precompute
+
+    feats = tmp_path / "features"
+    half = tmp_path / "half.jsonl"
+    lines = Path(tiny_setup["data"]).read_text().splitlines(keepends=True)
+    half.write_text("".join(lines[:10]))
+    values = tiny_config(tiny_setup, tmp_path / "run", mode="offline", features_dir=str(feats),
+                         feature_dtype="float32", max_steps=2, save_every=2, eval_every=2)
+    first = precompute(config_from_dict(dict(values, data=str(half))), run="a")
+    assert first["samples"] == 10 and first["skipped"] == 0
+    with pytest.raises(ValueError, match="have no features"):
+        run_trainer(**values)
+    second = precompute(config_from_dict(values), run="b")
+    assert second["skipped"] == 10 and second["samples"] == len(lines) - 10
+    assert precompute(config_from_dict(values), run="c")["index"] is None  # nothing left to do
+    keys = [conversation_key(c["messages"]) for c in load_conversations(tiny_setup["data"])]
+    store = FeatureStore(feats, only=keys)
+    assert len(store) == len(lines) and [e["conv"] for e in store.samples] == keys
+
+    trainer, result = run_trainer(**values)
+    assert trainer.extractor is None and result["step"] == 2 and result["loss"] == result["loss"]
+    assert trainer.heldout  # held-out features still come from the target
+    sample = store[3]
+    ex = TargetFeatureExtractor(trainer.target, trainer.aux_layer_ids, 1, 128)
+    ref = ex([{"input_ids": sample["input_ids"].tolist(), "loss_mask": sample["loss_mask"].tolist()}])
+    torch.testing.assert_close(sample["aux_hidden"], ref.aux_hidden[0])
+    torch.testing.assert_close(sample["last_hidden"], ref.last_hidden[0])
+    assert torch.equal(sample["argmax"], ref.argmax[0])
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # the one end-to-end deepspeed launch
 
@@ -425,3 +458,82 @@ def test_deepspeed_launch_trains_resumes_and_exports(tiny_setup, tmp_path):
     for name, tensor in head.state_dict().items():
         assert torch.equal(tensor, saved[name].to(tensor.dtype)), name
     assert (export / "tokenizer.json").exists() and "tau" in (export / "README.md").read_text()
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the teacher-forced simulation against the engine
+
+def _greedy_rows(target, tokenizer, drafter, prompts, k, max_tokens=40):
+    from ssd_eagle.engine.llm import LLM
+    from ssd_eagle.engine.llm_engine import LLMEngine
+    from ssd_eagle.sampling_params import SamplingParams
+
+    engine = LLMEngine(target, tokenizer, drafter, num_speculative_tokens=k, max_num_seqs=1, max_model_len=512)
+    return LLM(engine=engine).generate(prompts, SamplingParams(temperature=0.0, max_tokens=max_tokens))
+
+
+def test_simulated_tau_equals_engine_tau_for_a_draft_lm(byte_tokenizer):
+    from ssd_eagle.drafters import DraftModelDrafter
+    from test_engine import noisy_copy
+
+    k = 4
+    target = make_tiny_llama(num_layers=4, seed=2)
+    draft = noisy_copy(target, 0.05)
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, 256, (6,), generator=g).tolist() for _ in range(2)]
+    for prompt in prompts:
+        out = _greedy_rows(target, byte_tokenizer, DraftModelDrafter(draft, 257, 1, 512), [prompt], k, 32)[0]
+        ids = torch.tensor([prompt + out.token_ids])
+        mask = torch.tensor([0] * len(prompt) + [1] * len(out.token_ids))
+        with torch.no_grad():
+            hits = draft_lm_hits(draft(ids).logits.argmax(-1), ids, k)
+        sim = simulate_acceptance(hits[0], mask, k)
+        assert (sim.rounds, sim.emitted) == (out.stats.num_rounds, out.stats.num_emitted)
+        # every round but the last, which max_tokens cuts (the engine drafts at most the tokens left; the
+        # simulation, written for EOS-ended text, counts the drafts that matched up to the end)
+        assert sim.accepted_lengths[:-1] == out.stats.accepted_lengths[:-1]
+        assert sim.accepted_lengths[-1] >= out.stats.accepted_lengths[-1]
+    assert out.stats.num_emitted > out.stats.num_rounds  # drafts were accepted: deep chains were compared
+
+
+def test_teacher_forced_eagle3_drafts_equal_the_engine_proposals(byte_tokenizer):
+    """Row t of the TTT output is the chain the serving drafter proposes after x_{t+1}: its first draft equals the
+    engine's, every round, and the simulated rounds equal the engine's."""
+    from ssd_eagle.drafters.eagle3 import Eagle3Drafter
+    from train.features import TargetFeatureExtractor
+
+    k = 3
+    target = make_tiny_llama(num_layers=8, seed=4)
+    cfg = Eagle3Config.from_target(target.config, 200, torch_dtype="float64")
+    torch.manual_seed(0)
+    head = Eagle3DraftModel(cfg).to(torch.float64)
+    head.init_weights(std=0.3)
+    head.set_vocab_mapping(*build_vocab_mapping(torch.randperm(257)[:200], 257, 200))
+    head.set_embeddings(target.get_input_embeddings())
+    head.eval()
+
+    class Recording(Eagle3Drafter):
+        def propose(self, seqs, num_tokens):
+            proposals = super().propose(seqs, num_tokens)
+            self.log.append((len(seqs[0].token_ids), list(proposals[0].tokens)))
+            return proposals
+
+    extractor = TargetFeatureExtractor(target, cfg.aux_layer_ids, 1, 512)
+    prompt = [5, 17, 200, 31, 9, 77]
+    drafter = Recording(head, num_slots=1, max_len=512)
+    drafter.log = []
+    out = _greedy_rows(target, byte_tokenizer, drafter, [prompt], k)[0]
+    ids = prompt + out.token_ids
+    batch = extractor([{"input_ids": ids, "loss_mask": [0] * len(prompt) + [1] * len(out.token_ids)}])
+    with torch.no_grad():
+        targets = draft_targets(batch.last_hidden, extractor.lm_head_weight, head.draft_target_ids, head.t2d,
+                                argmax=batch.argmax)
+        tf = ttt_loss(head, batch.input_ids, batch.loss_mask, batch.aux_hidden, targets, k, 1.0)
+    tokens = head.draft_target_ids[tf.draft_argmax.clamp_min(0)]
+    for length, proposal in drafter.log:  # the round drafts after x_{length-1}: row t = length - 2
+        if proposal:  # a round with one token left drafts nothing
+            assert int(tokens[0, 0, length - 2]) == proposal[0]
+    sim = simulate_acceptance(eagle3_hits(tf.draft_argmax, head.draft_target_ids, batch.input_ids)[0],
+                              batch.loss_mask[0], k)
+    assert (sim.rounds, sim.emitted) == (out.stats.num_rounds, out.stats.num_emitted)
+    assert len(drafter.log) == out.stats.num_rounds

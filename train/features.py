@@ -6,16 +6,20 @@ section 2), its final-normed last hidden state (``p`` is recomputed from it thro
 logits would be ~200 KB a token) and its greedy next token (computed exactly, in float32, when the features are
 made, so storing the hidden states in 16 bits cannot move it).
 
-Shard layout (``features_dir``):
+Shard layout (``features_dir``), one ``<run>`` per invocation of the precompute (runs add to the directory):
 
-    index-rank<r>.json          {"format", "meta": {...}, "samples": [{"shard", "key", "length"}, ...]}
-    rank<r>-<k>.safetensors     per sample "<key>.input_ids" int32 [n], "<key>.loss_mask" uint8 [n],
-                                "<key>.last_hidden" [n, H], "<key>.argmax" int32 [n],
-                                "<key>.aux_hidden" [n, 3H] (when aux ids were given)
+    index-<run>-rank<r>.json        {"format", "meta": {...}, "samples": [{"shard", "key", "length", "conv"}, ...]}
+    <run>-rank<r>-<k>.safetensors   per sample "<key>.input_ids" int32 [n], "<key>.loss_mask" uint8 [n],
+                                    "<key>.last_hidden" [n, H], "<key>.argmax" int32 [n],
+                                    "<key>.aux_hidden" [n, 3H] (when aux ids were given)
+
+``conv`` is :func:`conversation_key` of the sample's conversation, so a later run computes only the conversations
+the directory lacks (e.g. after the data file grew) and training can select exactly the rows of its data file.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from collections.abc import Iterable, Sequence
@@ -31,6 +35,14 @@ from ssd_eagle.kv_cache import ForwardBatch
 from ssd_eagle.model_runner import ModelRunner
 
 FEATURES_FORMAT = "ssd_eagle.features/v1"
+# index metadata that must agree between the runs of one directory
+SHARED_META = ("target", "aux_layer_ids", "dtype", "hidden_size", "max_length")
+
+
+def conversation_key(messages: list[dict]) -> str:
+    """A content key of a conversation (SHA-1 of its roles and contents): stable across files and row orders."""
+    text = json.dumps([[m["role"], m["content"]] for m in messages], ensure_ascii=False)
+    return hashlib.sha1(text.encode("utf-8")).hexdigest()
 
 
 @dataclass
@@ -134,14 +146,15 @@ class TargetFeatureExtractor:
 # offline shards
 
 def write_feature_shards(samples: Iterable[dict], extractor: TargetFeatureExtractor, out_dir: str | os.PathLike,
-                         *, rank: int = 0, dtype: torch.dtype = torch.bfloat16, batch_size: int = 1,
+                         *, run: str, rank: int = 0, dtype: torch.dtype = torch.bfloat16, batch_size: int = 1,
                          samples_per_shard: int = 256, meta: dict | None = None, total: int | None = None,
                          progress: bool = True) -> Path:
     """Run the target over ``samples`` once and write this rank's shards and index (atomically: files are renamed
-    into place, the index last).
+    into place, the index last, so a killed run leaves no index and is simply redone).
 
     Args:
-        samples: dicts with ``input_ids`` and ``loss_mask``.
+        samples: dicts with ``input_ids``, ``loss_mask`` and ``conv`` (:func:`conversation_key`).
+        run: name of this invocation (prefix of its files).
         extractor: the target (its ``aux_layer_ids`` decide whether aux states are stored).
         dtype: storage dtype of the hidden states.
         meta: recorded in the index (target name, data source, max_length, ...); ``aux_layer_ids`` and ``dtype``
@@ -163,7 +176,7 @@ def write_feature_shards(samples: Iterable[dict], extractor: TargetFeatureExtrac
         nonlocal shard, shard_id
         if not shard:
             return
-        name = f"rank{rank}-{shard_id:05d}.safetensors"
+        name = f"{run}-rank{rank}-{shard_id:05d}.safetensors"
         tmp = out / f".{name}.tmp"
         save_file(shard, str(tmp))
         os.replace(tmp, out / name)
@@ -184,7 +197,8 @@ def write_feature_shards(samples: Iterable[dict], extractor: TargetFeatureExtrac
             shard[f"{key}.argmax"] = feats.argmax[row, :n].to(torch.int32).contiguous()
             if feats.aux_hidden is not None:
                 shard[f"{key}.aux_hidden"] = feats.aux_hidden[row, :n].to(dtype).contiguous()
-            index["samples"].append({"shard": f"rank{rank}-{shard_id:05d}.safetensors", "key": key, "length": n})
+            index["samples"].append({"shard": f"{run}-rank{rank}-{shard_id:05d}.safetensors", "key": key, "length": n,
+                                     "conv": s["conv"]})
             count += 1
             if count % samples_per_shard == 0:
                 flush()
@@ -197,43 +211,63 @@ def write_feature_shards(samples: Iterable[dict], extractor: TargetFeatureExtrac
     if pending:
         run(pending)
     flush()
-    path = out / f"index-rank{rank}.json"
-    tmp = out / f".index-rank{rank}.json.tmp"
+    path = out / f"index-{run}-rank{rank}.json"
+    tmp = out / f".index-{run}-rank{rank}.json.tmp"
     tmp.write_text(json.dumps(index))
     os.replace(tmp, path)
     return path
 
 
 class FeatureStore:
-    """Read-only view of the shards of a features directory (all ranks' indexes, in rank order).
+    """Read-only view of the shards of a features directory (every run's indexes, oldest first).
 
     Samples are dicts with ``input_ids`` (int64 [n]), ``loss_mask`` (int64 [n]), ``last_hidden`` [n, H],
     ``argmax`` (int64 [n]) and, when stored, ``aux_hidden`` [n, 3H]; tensors are read lazily from memory-mapped
-    files.
+    files. A conversation stored twice is listed once.
+
+    Args:
+        path: the features directory.
+        only: keep just the samples whose conversation key is in this collection (in its order).
 
     Raises:
         FileNotFoundError: no index in ``path``.
-        ValueError: an index of another format, or indexes that disagree on their metadata.
+        ValueError: an index of another format, or runs that disagree on the target, aux ids, dtype, hidden size
+            or max length.
     """
 
-    def __init__(self, path: str | os.PathLike):
+    def __init__(self, path: str | os.PathLike, only: Sequence[str] | None = None):
         self.path = Path(path)
-        indexes = sorted(self.path.glob("index-rank*.json"), key=lambda p: int(p.stem.removeprefix("index-rank")))
+        indexes = sorted(self.path.glob("index-*.json"))
         if not indexes:
-            raise FileNotFoundError(f"no feature index (index-rank*.json) in {self.path}; run "
+            raise FileNotFoundError(f"no feature index (index-*.json) in {self.path}; run "
                                     "train/precompute_features.py first")
         self.meta: dict | None = None
         self.samples: list[dict] = []
+        self.dropped: set[str] = set()  # conversations without a loss token (nothing to store)
+        seen: set[str] = set()
         for idx in indexes:
             doc = json.loads(idx.read_text())
             if doc.get("format") != FEATURES_FORMAT:
                 raise ValueError(f"{idx}: not a feature index ({FEATURES_FORMAT})")
+            shared = {k: doc["meta"].get(k) for k in SHARED_META}
             if self.meta is None:
-                self.meta = doc["meta"]
-            elif doc["meta"] != self.meta:
-                raise ValueError(f"{idx}: metadata differs from the other ranks' ({doc['meta']} != {self.meta})")
-            self.samples.extend(doc["samples"])
+                self.meta = dict(doc["meta"])
+            elif shared != {k: self.meta.get(k) for k in SHARED_META}:
+                raise ValueError(f"{idx}: {shared} differs from the directory's other runs; use a new features_dir")
+            self.dropped.update(doc["meta"].get("dropped", []))
+            for entry in doc["samples"]:
+                if entry["conv"] not in seen:
+                    seen.add(entry["conv"])
+                    self.samples.append(entry)
+        if only is not None:
+            by_key = {e["conv"]: e for e in self.samples}
+            self.samples = [by_key[k] for k in dict.fromkeys(only) if k in by_key]
         self._handles: dict[str, object] = {}
+
+    @property
+    def keys(self) -> set[str]:
+        """Conversation keys of the samples."""
+        return {e["conv"] for e in self.samples}
 
     def __len__(self) -> int:
         return len(self.samples)

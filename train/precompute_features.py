@@ -9,6 +9,9 @@ safetensors shards plus an index into ``features_dir`` (layout in :mod:`train.fe
 ``aux_layer_ids`` (default ``(2, L//2, L-3)``, input-of-layer), the final-normed last hidden state, and the
 target's greedy next token, hidden states in ``feature_dtype``. The same directory serves both draft kinds (the
 draft LM ignores the aux states). No process group is needed: the rank and world size come from the environment.
+
+Incremental: conversations already in ``features_dir`` (same content) are skipped, so a run over a data file that
+has grown computes only the new rows, and a killed run is redone from its last complete invocation.
 """
 
 from __future__ import annotations
@@ -26,16 +29,53 @@ import torch
 from train.config import TrainConfig, parse_args
 
 
-def precompute(cfg: TrainConfig, rank: int = 0, world_size: int = 1) -> dict:
-    """Write this rank's feature shards; returns ``{"index", "samples", "tokens", "seconds"}``.
+def masked_samples(conversations: list[dict], tokenizer, max_length: int, check_heldout: bool = True,
+                   progress: bool = True) -> tuple[list[dict], list[str], dict]:
+    """Assistant-masked samples of ``[{"messages"}, ...]`` keyed by :func:`~train.features.conversation_key`.
+
+    Returns:
+        ``(samples [{"input_ids", "loss_mask", "conv"}], keys of conversations without a loss token, mask stats)``.
+
+    Raises:
+        HeldoutLeakError: with ``check_heldout``, a held-out prompt in the data.
+        ValueError: an assistant turn that cannot be located (the message names the conversation).
+    """
+    from tqdm.auto import tqdm
+
+    from train.data import MaskStats, assert_no_heldout, assistant_mask
+    from train.features import conversation_key
+
+    if check_heldout:
+        assert_no_heldout([c["messages"] for c in conversations])
+    stats = MaskStats(max_length=max_length)
+    samples, dropped = [], []
+    for conv in tqdm(conversations, desc="masking conversations", disable=not progress, leave=False):
+        key = conversation_key(conv["messages"])
+        try:
+            sample = assistant_mask(conv["messages"], tokenizer, max_length, stats=stats)
+        except ValueError as err:
+            raise ValueError(f"conversation {conv.get('id')}: {err}") from err
+        if not any(sample["loss_mask"]):
+            stats.num_dropped_no_loss += 1
+            dropped.append(key)
+            continue
+        samples.append({"input_ids": sample["input_ids"], "loss_mask": sample["loss_mask"], "conv": key})
+    return samples, dropped, stats.as_dict()
+
+
+def precompute(cfg: TrainConfig, rank: int = 0, world_size: int = 1, run: str | None = None) -> dict:
+    """Write this rank's feature shards for the conversations of ``cfg.data`` that ``cfg.features_dir`` lacks.
+
+    Returns:
+        ``{"index", "samples", "tokens", "seconds", "skipped"}`` (``index`` None when nothing was missing).
 
     Raises:
         ValueError: no ``features_dir`` or no ``data`` in the config.
     """
     from ssd_eagle.assets import load_model
     from ssd_eagle.model_runner import default_aux_layer_ids
-    from train.data import build_dataset, load_conversations
-    from train.features import TargetFeatureExtractor, write_feature_shards
+    from train.data import load_conversations
+    from train.features import FeatureStore, TargetFeatureExtractor, conversation_key, write_feature_shards
 
     if not cfg.features_dir or not cfg.data:
         raise ValueError("precomputing features needs features_dir and data in the config")
@@ -46,26 +86,36 @@ def precompute(cfg: TrainConfig, rank: int = 0, world_size: int = 1) -> dict:
     num_layers = target.config.get_text_config().num_hidden_layers
     aux_ids = tuple(cfg.aux_layer_ids) if cfg.aux_layer_ids else default_aux_layer_ids(num_layers)
     convs = load_conversations(cfg.data, limit=cfg.data_limit)
-    dataset, stats = build_dataset([c["messages"] for c in convs], tokenizer, max_length=cfg.max_length, rank=rank,
-                                   world_size=world_size, shuffle_seed=cfg.seed, check_heldout=cfg.check_heldout,
-                                   progress=cfg.progress and rank == 0)
+    done: set[str] = set()
+    if Path(cfg.features_dir).is_dir() and any(Path(cfg.features_dir).glob("index-*.json")):
+        store = FeatureStore(cfg.features_dir)
+        done = store.keys | store.dropped
+    todo = [c for c in convs if conversation_key(c["messages"]) not in done]
+    todo = todo[rank * len(todo) // world_size: (rank + 1) * len(todo) // world_size]
+    samples, dropped, stats = masked_samples(todo, tokenizer, cfg.max_length, cfg.check_heldout,
+                                             cfg.progress and rank == 0)
+    result = {"index": None, "samples": len(samples), "tokens": sum(len(s["input_ids"]) for s in samples),
+              "seconds": 0.0, "skipped": len(convs) - len(todo)}
+    if not samples and not dropped:
+        return result
     extractor = TargetFeatureExtractor(target, aux_ids, max_batch=cfg.micro_batch_size, max_len=cfg.max_length)
     t0 = time.perf_counter()
-    rows = ({"input_ids": r["input_ids"], "loss_mask": r["loss_mask"]} for r in dataset)
     meta = {"target": cfg.target, "data": cfg.data, "data_limit": cfg.data_limit, "max_length": cfg.max_length,
-            "world_size": world_size, "seed": cfg.seed, "mask_stats": stats.as_dict()}
-    index = write_feature_shards(rows, extractor, cfg.features_dir, rank=rank, dtype=getattr(torch, cfg.feature_dtype),
-                                 batch_size=cfg.micro_batch_size, meta=meta, total=len(dataset),
-                                 progress=cfg.progress and rank == 0)
-    return {"index": str(index), "samples": len(dataset), "tokens": int(sum(dataset["length"])),
-            "seconds": time.perf_counter() - t0}
+            "world_size": world_size, "mask_stats": stats, "dropped": dropped}
+    run = run or time.strftime("%Y%m%d-%H%M%S")
+    index = write_feature_shards(samples, extractor, cfg.features_dir, run=run, rank=rank,
+                                 dtype=getattr(torch, cfg.feature_dtype), batch_size=cfg.micro_batch_size, meta=meta,
+                                 total=len(samples), progress=cfg.progress and rank == 0)
+    result.update(index=str(index), seconds=time.perf_counter() - t0)
+    return result
 
 
 def main(argv: list[str] | None = None) -> dict:
     cfg = parse_args(sys.argv[1:] if argv is None else argv)
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     result = precompute(cfg, rank, world)
-    print(f"rank {rank}: {result['samples']} samples, {result['tokens']} tokens in {result['seconds']:.0f} s "
+    print(f"rank {rank}: {result['skipped']} conversations already done; {result['samples']} samples, "
+          f"{result['tokens']} tokens in {result['seconds']:.0f} s "
           f"({result['tokens'] / max(result['seconds'], 1e-9):.0f} tokens/s) -> {result['index']}")
     return result
 

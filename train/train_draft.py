@@ -236,9 +236,17 @@ class Trainer:
             self.token_rows = lambda: ({"input_ids": r["input_ids"], "loss_mask": r["loss_mask"]}
                                        for r in self.samples)
         else:
-            from train.features import FeatureStore
+            from train.data import load_conversations
+            from train.features import FeatureStore, conversation_key
 
             store = FeatureStore(cfg.features_dir)
+            if cfg.data:  # train on exactly the conversations of the data file, all of which must have features
+                keys = [conversation_key(c["messages"]) for c in load_conversations(cfg.data, limit=cfg.data_limit)]
+                missing = set(keys) - store.keys - store.dropped
+                if missing:
+                    raise ValueError(f"{len(missing)} of the {len(keys)} conversations of {cfg.data} have no features "
+                                     f"in {cfg.features_dir}: run train/precompute_features.py with this config")
+                store = FeatureStore(cfg.features_dir, only=keys)
             meta = store.meta
             want = list(self.aux_layer_ids) if self.aux_layer_ids else None
             if want is not None and meta.get("aux_layer_ids") != want:
@@ -247,7 +255,7 @@ class Trainer:
             if meta.get("target") not in (None, cfg.target):
                 raise ValueError(f"{cfg.features_dir} was made with target {meta.get('target')!r}, not "
                                  f"{cfg.target!r}")
-            indices = list(range(len(store)))[: cfg.data_limit]
+            indices = list(range(len(store)))[: None if cfg.data else cfg.data_limit]
             lo = self.rank * len(indices) // self.world
             hi = (self.rank + 1) * len(indices) // self.world
             mine = indices[lo:hi]

@@ -280,12 +280,15 @@ class AcceptanceStats:
 
     Attributes:
         rounds: verification rounds; emitted: tokens emitted by them (accepted drafts + the target's token).
-        accepted_hist: ``accepted_hist[a]`` = rounds with ``a`` accepted drafts (0..K).
+        accepted_hist: ``accepted_hist[a]`` = rounds with ``a`` accepted drafts (0..K), counted like the engine's
+            ``num_accepted``: before a span's end cuts the round short.
+        accepted_lengths: the accepted drafts of every round, in order.
     """
 
     rounds: int = 0
     emitted: int = 0
     accepted_hist: list[int] = field(default_factory=list)
+    accepted_lengths: list[int] = field(default_factory=list, repr=False)
 
     @property
     def tau(self) -> float:
@@ -295,6 +298,7 @@ class AcceptanceStats:
     def merge(self, other: AcceptanceStats) -> None:
         self.rounds += other.rounds
         self.emitted += other.emitted
+        self.accepted_lengths += other.accepted_lengths
         if len(self.accepted_hist) < len(other.accepted_hist):
             self.accepted_hist += [0] * (len(other.accepted_hist) - len(self.accepted_hist))
         for a, c in enumerate(other.accepted_hist):
@@ -335,7 +339,8 @@ def simulate_acceptance(hits: torch.Tensor, loss_mask: torch.Tensor, num_draft: 
             emitted = min(accepted + 1, e - last)
             stats.rounds += 1
             stats.emitted += emitted
-            stats.accepted_hist[min(accepted, emitted)] += 1
+            stats.accepted_hist[accepted] += 1
+            stats.accepted_lengths.append(accepted)
             last += emitted
         r = e + 1
     return stats
