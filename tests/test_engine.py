@@ -200,3 +200,28 @@ def test_greedy_and_sampled_rows_share_a_batch(byte_tokenizer):
     outs = LLM(engine=engine).generate(prompts, params)
     for i in (0, 2):
         assert outs[i].token_ids == reference_greedy(target, prompts[i], 16)
+
+
+class FailingDrafter(NgramDrafter):
+    """Proposes like the n-gram drafter, then raises from the third round on."""
+
+    def __init__(self):
+        super().__init__(1, 3)
+        self.calls = 0
+
+    def propose(self, seqs, num_tokens):
+        self.calls += 1
+        if self.calls >= 3:
+            raise RuntimeError("draft device lost")
+        return super().propose(seqs, num_tokens)
+
+
+def test_a_failing_drafter_degrades_to_ordinary_decoding(byte_tokenizer):
+    target = make_tiny_llama(seed=3)
+    drafter = FailingDrafter()
+    engine = LLMEngine(target, byte_tokenizer, drafter, num_speculative_tokens=K, max_model_len=512)
+    prompt = (list(range(30, 36)) * 4)[:20]
+    out = LLM(engine=engine).generate([prompt], SamplingParams(temperature=0.0, max_tokens=20))[0]
+    assert out.token_ids == reference_greedy(target, prompt, 20)
+    assert not drafter.healthy and "draft device lost" in drafter.error
+    assert drafter.calls == 3  # never called again after the failure

@@ -47,6 +47,8 @@ class Drafter(ABC):
 
     needs_aux_hidden: bool = False
     name: str = "drafter"
+    healthy: bool = True  # False after a failure: the engine then decodes without drafts
+    error: str | None = None
 
     def add_sequence(self, seq, prompt_aux: torch.Tensor | None) -> None:
         """Start tracking ``seq`` (its ``token_ids`` = prompt + first sampled token)."""

@@ -7,13 +7,15 @@ verification keeps the longest acceptable prefix plus a bonus token (:mod:`ssd_e
 decoding is the same loop with no drafter (K = 0). Stopping rules are applied token by token, so nothing past an
 EOS, a stop string, ``max_tokens`` or ``max_model_len`` is ever emitted, even inside an accepted block.
 
-Greedy rows are verified by argmax match, sampled rows by rejection sampling with the exact q the drafter sampled
+A drafter that raises is marked unhealthy (``drafter.healthy = False``) and never called again: every request
+continues with ordinary decoding, losing nothing. Greedy rows are verified by argmax match, sampled rows by rejection sampling with the exact q the drafter sampled
 from; one batch may mix them. Every sequence carries its own random generators, so a seeded request reproduces
 its output regardless of what else is in the batch.
 """
 
 from __future__ import annotations
 
+import logging
 import random
 import time
 from collections import deque
@@ -30,6 +32,8 @@ from ssd_eagle.sampling import SamplingTensors, logits_to_probs, sample
 from ssd_eagle.sampling_params import SamplingParams
 from ssd_eagle.stats import SpecStats
 from ssd_eagle.verify import greedy_verify, rejection_verify
+
+log = logging.getLogger(__name__)
 
 
 class LLMEngine:
@@ -66,7 +70,6 @@ class LLMEngine:
         self.target = ModelRunner(model, max_num_seqs, self.max_model_len + self.K + 1, aux_ids)
         self.needs_aux = aux_ids is not None
         self.prefill_chunk = prefill_chunk
-        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
         self._rng = random.Random(seed)
         self._free_slots = list(range(max_num_seqs - 1, -1, -1))  # pop() hands out the lowest slot first
         self.waiting: deque[Sequence] = deque()
@@ -151,12 +154,22 @@ class LLMEngine:
     def _release(self, seq: Sequence) -> None:
         if seq in self.running:
             self.running.remove(seq)
-            if self.drafter is not None:
-                self.drafter.remove_sequence(seq)
+            self._call_drafter("remove_sequence", seq)
             self._free_slots.append(seq.slot)
             self._free_slots.sort(reverse=True)
             seq.slot = -1
         self.requests.pop(seq.request_id, None)
+
+    def _call_drafter(self, method: str, *args, default=None):
+        """Call the drafter unless it failed before; on an exception mark it unhealthy and return ``default``."""
+        if self.drafter is None or not self.drafter.healthy:
+            return default
+        try:
+            return getattr(self.drafter, method)(*args)
+        except Exception as err:  # noqa: BLE001 - any drafter failure degrades to ordinary decoding
+            log.exception("drafter %s failed in %s; continuing with ordinary decoding", self.drafter.name, method)
+            self.drafter.healthy, self.drafter.error = False, f"{type(err).__name__}: {err}"
+            return default
 
     # model work
     def _prefill(self, seq: Sequence) -> None:
@@ -179,8 +192,8 @@ class LLMEngine:
             probs = logits_to_probs(logits, SamplingTensors.from_params([seq.params], logits.device))
             token = int(sample(probs, [seq.generator]))
         self._append(seq, [token], logits)
-        if not seq.finished and self.drafter is not None:
-            self.drafter.add_sequence(seq, torch.cat(aux_chunks) if self.needs_aux else None)
+        if not seq.finished:
+            self._call_drafter("add_sequence", seq, torch.cat(aux_chunks) if self.needs_aux else None)
         seq.stats.prefill_time += time.perf_counter() - start
 
     def _draft_budget(self, seq: Sequence) -> int:
@@ -190,17 +203,16 @@ class LLMEngine:
     def _round(self, seqs: list[Sequence]) -> None:
         t0 = time.perf_counter()
         budgets = [self._draft_budget(s) for s in seqs]
-        if self.drafter is not None:  # called even with zero budgets: stateful drafters track every round
-            proposals = self.drafter.propose(seqs, budgets)
-        else:
-            proposals = [Proposal([]) for _ in seqs]
-        for p, budget in zip(proposals, budgets):
-            if len(p.tokens) > budget:
-                raise RuntimeError(f"drafter proposed {len(p.tokens)} tokens, budget was {budget}")
+        # called even with zero budgets: stateful drafters track every round
+        proposals = self._call_drafter("propose", seqs, budgets) or [Proposal([]) for _ in seqs]
+        for i, budget in enumerate(budgets):
+            if len(proposals[i].tokens) > budget:  # a drafter bug must not break max_tokens/max_model_len
+                proposals[i] = Proposal(proposals[i].tokens[:budget],
+                                        None if proposals[i].q is None else proposals[i].q[:budget])
         t1 = time.perf_counter()
         inputs = [[s.token_ids[-1]] + p.tokens for s, p in zip(seqs, proposals)]
         batch = ForwardBatch.causal(inputs, [s.slot for s in seqs], [s.num_cached for s in seqs],
-                                    self.target.dtype, self.target.device, self.pad_id)
+                                    self.target.dtype, self.target.device)
         out = self.target.forward(batch, capture_aux=self.needs_aux)
         accepted, bonus = self._verify(seqs, proposals, out.logits)
         t2 = time.perf_counter()
@@ -216,8 +228,8 @@ class LLMEngine:
                     stats.record_lookup(p.lookup_k, p.cache_hit, emitted)
             seq.stats.draft_time += t1 - t0
             seq.stats.verify_time += t2 - t1
-            if not seq.finished and self.drafter is not None:
-                self.drafter.on_verified(seq, k, out.aux_hidden[row, : k + 1] if self.needs_aux else None)
+            if not seq.finished:
+                self._call_drafter("on_verified", seq, k, out.aux_hidden[row, : k + 1] if self.needs_aux else None)
 
     def _verify(self, seqs: list[Sequence], proposals: list[Proposal],
                 logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
