@@ -145,8 +145,8 @@ def file_conversations(spec: str, field_name: str | None, split: str) -> list[Co
     return out
 
 
-def magpie_conversation(index: int, prompt: str) -> Conversation:
-    return Conversation(f"magpie/{index}", "magpie", [{"role": "user", "content": prompt}, None])
+def magpie_conversation(index: int, prompt: str, prefix: str = "magpie/") -> Conversation:
+    return Conversation(f"{prefix}{index}", "magpie", [{"role": "user", "content": prompt}, None])
 
 
 def sampling_choice(seed: int, conv_id: str, greedy_fraction: float, temperature: float) -> tuple[float, int]:
@@ -267,6 +267,27 @@ class Regenerator:
         self.start = time.time()
         self.bar: tqdm | None = None
         self._last_log = time.time()
+        self._keep_running_sorted_by_slot()
+
+    def _keep_running_sorted_by_slot(self) -> None:
+        """Run the batch in ascending slot order.
+
+        The engine batches ``running`` in admission order; once slots are recycled that order is not the slot
+        order, and the KV cache then *gathers* every attended key/value of every row in every layer on each step
+        (``KVCache.update``: ``k_store[slots, :, :kv_len]``), which cost ~60% of the run time at batch 96. With the
+        rows in ascending slot order and the slots ``0..n-1`` all busy (the scheduler keeps them busy, and freed
+        slots are handed out lowest first), the batch is a slot range and the cache returns views. Each row keeps
+        its own generator, so outputs do not depend on the order.
+        """
+        engine = self.engine
+        admit = engine._admit
+
+        def admit_sorted():
+            admitted = admit()
+            engine.running.sort(key=lambda s: s.slot)
+            return admitted
+
+        engine._admit = admit_sorted
 
     # queue
     def add(self, convs: Iterable[Conversation]) -> int:
@@ -459,7 +480,7 @@ def run_magpie(regen: Regenerator, tokenizer, args: argparse.Namespace, cache_pa
             break
         convs = []
         for p in result.prompts:
-            conv = magpie_conversation(index, p)
+            conv = magpie_conversation(index, p, args.magpie_id_prefix)
             index += 1
             if conv.id not in done_ids:
                 convs.append(conv)
@@ -469,9 +490,9 @@ def run_magpie(regen: Regenerator, tokenizer, args: argparse.Namespace, cache_pa
         have += len(result.prompts)
 
 
-def magpie_conversations_from_cache(chunks: list[dict], limit: int) -> list[Conversation]:
+def magpie_conversations_from_cache(chunks: list[dict], limit: int, prefix: str) -> list[Conversation]:
     prompts = [p for c in chunks for p in c["prompts"]][:limit]
-    return [magpie_conversation(i, p) for i, p in enumerate(prompts)]
+    return [magpie_conversation(i, p, prefix) for i, p in enumerate(prompts)]
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -515,11 +536,58 @@ def summarize(rows: list[dict]) -> dict:
     }
 
 
+def _interval_union(intervals: list[tuple[float, float]]) -> float:
+    total, cur_lo, cur_hi = 0.0, None, None
+    for lo, hi in sorted(intervals):
+        if cur_hi is None or lo > cur_hi:
+            total += (cur_hi - cur_lo) if cur_hi is not None else 0.0
+            cur_lo, cur_hi = lo, hi
+        else:
+            cur_hi = max(cur_hi, hi)
+    return total + ((cur_hi - cur_lo) if cur_hi is not None else 0.0)
+
+
+def _read_part(jsonl: Path) -> dict:
+    """One run's output with its run log and Magpie cache (settings as that run recorded them)."""
+    runs_path = jsonl.with_name(jsonl.name + ".runs.json")
+    runs = json.loads(runs_path.read_text()) if runs_path.exists() else []
+    cache = jsonl.with_name(jsonl.name + ".magpie.jsonl")
+    chunks = []
+    if cache.exists():
+        for line in cache.read_text().splitlines():
+            try:
+                chunks.append(json.loads(line))
+            except json.JSONDecodeError:
+                break
+    return {"path": jsonl, "rows": read_rows(jsonl), "runs": runs, "magpie_chunks": chunks}
+
+
+def _magpie_key(row: dict) -> str | None:
+    if row["source"] != "magpie":
+        return None
+    first_user = next(m["content"] for m in row["messages"] if m["role"] == "user")
+    return " ".join(first_user.split()).lower()
+
+
 def finalize(args: argparse.Namespace, jsonl: Path) -> None:
-    rows = read_rows(jsonl)
-    ids = [r["id"] for r in rows]
-    if len(set(ids)) != len(ids):
-        raise SystemExit(f"{jsonl}: duplicate ids")
+    parts = [_read_part(jsonl)] + [_read_part(Path(m)) for m in args.merge]
+    rows, seen_ids, seen_magpie = [], set(), set()
+    dropped = collections.Counter()
+    for part in parts:
+        part["rows_kept"] = 0
+        for r in part["rows"]:
+            key = _magpie_key(r)
+            if r["id"] in seen_ids:
+                dropped["duplicate_id"] += 1
+                continue
+            if key is not None and key in seen_magpie:
+                dropped["duplicate_magpie_prompt_across_runs"] += 1
+                continue
+            seen_ids.add(r["id"])
+            if key is not None:
+                seen_magpie.add(key)
+            rows.append(r)
+            part["rows_kept"] += 1
     tdata.assert_no_heldout([r["messages"] for r in rows])
     rows.sort(key=row_sort_key)
     payload = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows).encode()
@@ -530,18 +598,45 @@ def finalize(args: argparse.Namespace, jsonl: Path) -> None:
         f.write(payload)
     gz_bytes = buf.getvalue()
     gz_path.write_bytes(gz_bytes)
-    runs_path = jsonl.with_name(jsonl.name + ".runs.json")
-    runs = json.loads(runs_path.read_text()) if runs_path.exists() else []
-    magpie_chunks = load_magpie_cache(jsonl.with_name(jsonl.name + ".magpie.jsonl"), magpie_settings(args)) \
-        if args.num_magpie else []
-    magpie_stats = collections.Counter()
-    for c in magpie_chunks:
-        magpie_stats.update({k: v for k, v in c["stats"].items()})
-    magpie_stats["kept"] = sum(len(c["prompts"]) for c in magpie_chunks)
-    gen_runs = [r for r in runs if r.get("tokens_generated")]
-    wall = sum(r["updated"] - r["started"] for r in gen_runs)
+
+    all_runs = [r for part in parts for r in part["runs"]]
+    gen_runs = [r for r in all_runs if r.get("tokens_generated")]
+    wall = _interval_union([(r["started"], r["updated"]) for r in gen_runs])
+    process_time = sum(r["updated"] - r["started"] for r in gen_runs)
     tokens_generated = sum(r["tokens_generated"] for r in gen_runs)
     summary = summarize(rows)
+    magpie_total = collections.Counter()
+
+    def rel(path: Path) -> str:
+        path = Path(path).resolve()
+        return str(path.relative_to(REPO)) if path.is_relative_to(REPO) else str(path)
+
+    def describe(part: dict) -> dict:
+        stats = collections.Counter()
+        for c in part["magpie_chunks"]:
+            stats.update(c["stats"])
+        stats["kept"] = sum(len(c["prompts"]) for c in part["magpie_chunks"])
+        magpie_total.update(stats)
+        last = part["runs"][-1]["args"] if part["runs"] else {}
+        answered = sum(r["source"] == "magpie" for r in part["rows"])
+        return {
+            "output": rel(part["path"]), "rows": len(part["rows"]), "rows_kept": part["rows_kept"],
+            "settings": {k: last.get(k) for k in ("source", "num_magpie", "magpie_temperature",
+                                                  "magpie_max_tokens", "magpie_chunk", "magpie_id_prefix",
+                                                  "max_new_tokens", "temperature", "greedy_fraction", "top_p",
+                                                  "seed", "batch_size", "num_threads", "max_model_len")},
+            "magpie": {**dict(stats), "answered": answered,
+                       "generated_but_unanswered": stats["kept"] - answered} if part["magpie_chunks"] else None,
+            "runs": [{"command": r["command"], "git_commit": r["git_commit"],
+                      "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(r["started"])),
+                      "wall_time_s": round(r["updated"] - r["started"], 1),
+                      "status": "killed (wall time up to its last heartbeat)" if r["status"] == "running"
+                      else r["status"],
+                      "tokens_generated": r["tokens_generated"],
+                      "conversations_written": r["conversations_written"]} for r in part["runs"]],
+        }
+
+    described = [describe(part) for part in parts]
     from train.data import heldout_texts
 
     manifest = {
@@ -549,33 +644,31 @@ def finalize(args: argparse.Namespace, jsonl: Path) -> None:
         "description": "Training conversations whose assistant turns were regenerated by the target "
                        "(scripts/regenerate_data.py). Rows: {id, source, messages, gen}; messages exclude the chat "
                        "template's default system prompt, which generation used and the trainer's rendering adds.",
-        "file": {"path": str(gz_path.relative_to(REPO)) if gz_path.resolve().is_relative_to(REPO)
-                 else str(gz_path), "sha256": hashlib.sha256(gz_bytes).hexdigest(), "bytes": len(gz_bytes),
+        "file": {"path": rel(gz_path), "sha256": hashlib.sha256(gz_bytes).hexdigest(), "bytes": len(gz_bytes),
                  "uncompressed_bytes": len(payload), "row_order": "source (humaneval, sharegpt, magpie, others), "
                  "then id in natural order"},
         "model": args.model,
         **summary,
         "token_count_definition": "tokens generated per assistant turn, including the end-of-turn token that "
                                   "stopped the turn (finish_reason 'stop'); sum of gen.num_tokens",
-        "generation": {"mode": "ar", "max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
-                       "greedy_fraction": args.greedy_fraction, "top_p": args.top_p, "seed": args.seed,
-                       "per_turn_seed": "gen.seed + turn index", "batch_size": args.batch_size,
-                       "num_threads": args.num_threads, "max_model_len": args.max_model_len,
-                       "dtype": "float32", "stop_token_ids": "every special token of the tokenizer"},
-        "sources": {"args": args.source,
-                    "magpie": {"requested": args.num_magpie, "temperature": args.magpie_temperature,
-                               "max_tokens": args.magpie_max_tokens, "chunk": args.magpie_chunk,
-                               **dict(magpie_stats)} if args.num_magpie else None},
+        "generation": {"mode": "ar", "dtype": "float32", "max_new_tokens": args.max_new_tokens,
+                       "temperature": args.temperature, "greedy_fraction": args.greedy_fraction,
+                       "top_p": args.top_p, "per_conversation_choice": "greedy or sampled, and the seed, drawn from "
+                       "random.Random(f'{seed}:{id}') (seed: the run's --seed, see parts)",
+                       "per_turn_seed": "gen.seed + turn index",
+                       "stop_token_ids": "every special token of the tokenizer",
+                       "max_model_len": args.max_model_len},
+        "sources": {"builtin": "train.data.training_prompts(): HumanEval problems not divisible by 4, packaged "
+                               "ShareGPT user turns (deduplicated)",
+                    "magpie": {**dict(magpie_total), "temperature": args.magpie_temperature,
+                               "max_tokens": args.magpie_max_tokens} if magpie_total else None},
+        "dropped_at_merge": dict(dropped),
         "heldout_check": {"passed": True, "num_heldout_prompts": len(heldout_texts()),
                           "rule": "all MT-Bench turns and HumanEval problems whose number is divisible by 4; "
                                   "train.data.assert_no_heldout on every message of every row"},
-        "runs": [{"command": r["command"], "git_commit": r["git_commit"],
-                  "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(r["started"])),
-                  "wall_time_s": round(r["updated"] - r["started"], 1),
-                  "status": "killed (wall time up to its last heartbeat)" if r["status"] == "running" else r["status"],
-                  "tokens_generated": r["tokens_generated"],
-                  "conversations_written": r["conversations_written"]} for r in runs],
+        "parts": described,
         "wall_time_s": round(wall, 1),
+        "process_time_s": round(process_time, 1),
         "tokens_generated": tokens_generated,
         "throughput_tokens_per_s": round(tokens_generated / wall, 1) if wall else None,
         "git_commit": git_commit(),
@@ -596,7 +689,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--source", action="append", default=None,
-                   help="'builtin', or a JSON/JSONL file or folder ([NAME=]PATH); repeatable (default: builtin)")
+                   help="'builtin', 'none' (Magpie prompts only), or a JSON/JSONL file or folder ([NAME=]PATH); "
+                        "repeatable (default: builtin)")
     p.add_argument("--field", default=None, help="JSON files whose rows sit under this top-level key")
     p.add_argument("--split", default="train", help="split of a hub dataset in the local cache")
     p.add_argument("--limit", type=int, default=None, help="regenerate only the first N conversations (a test run)")
@@ -604,6 +698,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--magpie-temperature", type=float, default=1.0)
     p.add_argument("--magpie-max-tokens", type=int, default=128)
     p.add_argument("--magpie-chunk", type=int, default=256, help="Magpie prompts per resumable chunk")
+    p.add_argument("--magpie-id-prefix", default="magpie/",
+                   help="ids of Magpie conversations are PREFIX + index (give parallel runs distinct prefixes)")
     p.add_argument("--output", required=True, help="JSONL written (appended) as conversations finish")
     p.add_argument("--model", default=None, help="target (default: the project's default model)")
     p.add_argument("--max-new-tokens", type=int, default=384, help="cap per assistant turn")
@@ -620,10 +716,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--gz", default=None, help="after a complete run: write the sorted rows here (gzip)")
     p.add_argument("--manifest", default=None, help="after a complete run: write the manifest here")
     p.add_argument("--finalize-only", action="store_true", help="only write --gz/--manifest from --output")
+    p.add_argument("--merge", action="append", default=[],
+                   help="with --gz/--manifest: also merge this output of a parallel run (repeatable); rows whose "
+                        "id or Magpie prompt is already present are dropped and counted")
     args = p.parse_args(argv)
     args.source = args.source or ["builtin"]
-    if args.num_magpie and "builtin" not in args.source:
-        p.error("--num-magpie needs --source builtin")
+    if args.num_magpie and not {"builtin", "none"} & set(args.source):
+        p.error("--num-magpie needs --source builtin or --source none")
     if bool(args.gz) != bool(args.manifest):
         p.error("--gz and --manifest go together")
     if args.finalize_only and not args.gz:
@@ -648,6 +747,8 @@ def main(argv: list[str] | None = None) -> int:
     # prompts (checked against the held-out split before anything is generated)
     convs: list[Conversation] = []
     for src in args.source:
+        if src == "none":
+            continue
         convs += builtin_conversations() if src == "builtin" else file_conversations(src, args.field, args.split)
     if args.limit is not None:
         convs = convs[: args.limit]
@@ -666,7 +767,7 @@ def main(argv: list[str] | None = None) -> int:
     done = {r["id"] for r in read_rows(out_path, repair=True)}
     magpie_cache = out_path.with_name(out_path.name + ".magpie.jsonl")
     chunks = load_magpie_cache(magpie_cache, magpie_settings(args)) if args.num_magpie else []
-    magpie_convs = magpie_conversations_from_cache(chunks, args.num_magpie)
+    magpie_convs = magpie_conversations_from_cache(chunks, args.num_magpie, args.magpie_id_prefix)
     if magpie_convs:
         tdata.assert_no_heldout([c.prompt_texts() for c in magpie_convs])
     todo = [c for c in convs + magpie_convs if c.id not in done]
