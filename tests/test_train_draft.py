@@ -131,7 +131,7 @@ def test_unroll_equals_naive_chain_drafting(attn):
     ids = torch.randint(0, VOCAB, (2, n))
     aux = torch.randn(2, n, 3 * H, dtype=torch.float64)
     with torch.no_grad():
-        outs = ttt_unroll(head, ids, aux, k)
+        outs = [o.hidden for o in ttt_unroll(head, ids, aux, k)]
         fused = head.fuse(aux)
         padded = torch.cat([ids, torch.zeros(2, k + 1, dtype=torch.long)], dim=1)
         for b in range(2):
@@ -146,6 +146,27 @@ def test_unroll_equals_naive_chain_drafting(attn):
                     out = head(torch.stack(tokens)[None], torch.stack(hidden)[None], torch.arange(m)[None])
                     prev = out[0, -1]
                     torch.testing.assert_close(outs[j][b, t], prev, rtol=tol, atol=tol)
+
+
+def test_compacted_unroll_equals_full_unroll_at_kept_rows():
+    head, _ = make_head(seed=5)
+    torch.manual_seed(6)
+    n, k = 11, 4
+    ids = torch.randint(0, VOCAB, (3, n))
+    aux = torch.randn(3, n, 3 * H, dtype=torch.float64)
+    keep = torch.rand(3, n) < 0.5
+    keep[2] = False  # a row without any kept position
+    with torch.no_grad():
+        full = ttt_unroll(head, ids, aux, k)
+        compact = ttt_unroll(head, ids, aux, k, keep=keep)
+    assert compact[1].hidden.shape[1] == int(keep.sum(1).max())
+    for i in range(1, k):
+        out = compact[i]
+        b_idx, l_idx = out.valid.nonzero(as_tuple=True)
+        t_idx = out.positions[b_idx, l_idx]
+        assert torch.equal(keep[b_idx, t_idx], torch.ones_like(t_idx, dtype=torch.bool))
+        assert len(t_idx) == int(keep.sum())
+        torch.testing.assert_close(out.hidden[b_idx, l_idx], full[i].hidden[b_idx, t_idx], rtol=1e-9, atol=1e-9)
 
 
 def test_loss_and_accuracy_equal_per_position_reference():
@@ -164,7 +185,7 @@ def test_loss_and_accuracy_equal_per_position_reference():
     assert (~targets.in_vocab).any() and targets.in_vocab.any()
     out = ttt_loss(head, ids, loss_mask, aux, targets, k, decay)
 
-    outs = ttt_unroll(head, ids, aux, k)
+    outs = [o.hidden for o in ttt_unroll(head, ids, aux, k)]
     full_logits = last @ w.T
     used = head.draft_target_ids
     total = 0.0

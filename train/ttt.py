@@ -88,7 +88,32 @@ class StepCache:
         return sum(k.shape[2] for k in self.keys)
 
 
-def ttt_unroll(head, input_ids: torch.Tensor, aux_hidden: torch.Tensor, num_steps: int) -> list[torch.Tensor]:
+@dataclass
+class StepOutput:
+    """One TTT step's outputs.
+
+    Attributes:
+        hidden: [B, L, H] pre-norm outputs (``head.compute_logits`` gives the logits).
+        positions: int64 [B, L], the sequence position ``t`` of each row (the chain started after ``x_{t+1}``).
+        valid: bool [B, L], False on padding rows of a compacted step.
+    """
+
+    hidden: torch.Tensor
+    positions: torch.Tensor
+    valid: torch.Tensor
+
+
+def _compact_rows(keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Positions where ``keep`` [B, n] is True, left-aligned per row and padded with 0: ``(pos [B, m], valid)``."""
+    counts = keep.sum(1)
+    m = max(int(counts.max()), 1)
+    order = torch.argsort((~keep).to(torch.int8), dim=1, stable=True)[:, :m]
+    valid = torch.arange(m, device=keep.device)[None] < counts[:, None]
+    return torch.where(valid, order, 0), valid
+
+
+def ttt_unroll(head, input_ids: torch.Tensor, aux_hidden: torch.Tensor, num_steps: int,
+               keep: torch.Tensor | None = None) -> list[StepOutput]:
     """Run the head's TTT unroll.
 
     Args:
@@ -96,20 +121,41 @@ def ttt_unroll(head, input_ids: torch.Tensor, aux_hidden: torch.Tensor, num_step
         input_ids: int64 [B, n], the sequence ``x``.
         aux_hidden: [B, n, 3 * H_target], the target's aux hidden states ``f`` (low, mid, high).
         num_steps: K >= 1.
+        keep: bool [B, n], the positions whose chains matter after step 0 (e.g. ``chain_masks(...)[1]``). Steps
+            >= 1 then run only there: a query at position t still sees every step-0 key ``s <= t`` and its own
+            earlier-step keys, so the kept rows are computed exactly as without ``keep`` (fewer rows, same
+            values). None computes every position at every step.
 
     Returns:
-        K tensors [B, n, H]: the head's pre-norm outputs ``h^i`` (``head.compute_logits`` gives the logits).
+        K :class:`StepOutput`; step 0 always covers all n positions.
     """
     b, n = input_ids.shape
+    device = input_ids.device
     dtype = head.lm_head.weight.dtype
-    positions = torch.arange(n, device=input_ids.device)[None].expand(b, n)
-    hidden = head.fuse(aux_hidden.to(dtype))
+    positions = torch.arange(n, device=device)[None].expand(b, n)
     cache = StepCache()
-    outs = []
-    for i in range(num_steps):
-        mask = ttt_attention_mask(n, i, dtype, input_ids.device).expand(b, 1, n, (i + 1) * n)
-        hidden = head(shift_left(input_ids, i + 1), hidden, positions + i, mask, cache)
-        outs.append(hidden)
+    mask = ttt_attention_mask(n, 0, dtype, device).expand(b, 1, n, n)
+    hidden = head(shift_left(input_ids, 1), head.fuse(aux_hidden.to(dtype)), positions, mask, cache)
+    everywhere = torch.ones(b, n, dtype=torch.bool, device=device)
+    outs = [StepOutput(hidden, positions, everywhere)]
+    if num_steps == 1:
+        return outs
+    if keep is None:
+        rows, valid = positions, everywhere
+    else:
+        rows, valid = _compact_rows(keep)
+        hidden = hidden.gather(1, rows[..., None].expand(-1, -1, hidden.shape[-1]))
+    m = rows.shape[1]
+    minimum = torch.finfo(dtype).min
+    context = (torch.arange(n, device=device)[None, None, :] <= rows[:, :, None])  # [B, m, n]: step-0 keys s <= t
+    eye = torch.eye(m, dtype=torch.bool, device=device)[None].expand(b, m, m)
+    padded_ids = torch.cat([input_ids, input_ids.new_zeros(b, num_steps + 1)], dim=1)
+    for i in range(1, num_steps):
+        visible = torch.cat([context] + [eye] * i, dim=2)
+        step_mask = torch.zeros(visible.shape, dtype=dtype, device=device).masked_fill_(~visible, minimum)[:, None]
+        ids = padded_ids.gather(1, rows + 1 + i)
+        hidden = head(ids, hidden, rows + i, step_mask, cache)
+        outs.append(StepOutput(hidden, rows, valid))
     return outs
 
 
@@ -208,21 +254,23 @@ def ttt_loss(head, input_ids: torch.Tensor, loss_mask: torch.Tensor, aux_hidden:
              targets: DraftTargets, num_steps: int, decay: float) -> TTTOutput:
     """Unroll ``num_steps`` and compute the weighted loss and per-step accuracy (module docstring).
 
-    Logits are computed only at the positions whose chain lies in an assistant span (the others never reach the
-    loss or the acceptance estimate); ``draft_argmax`` is -1 elsewhere.
+    Steps >= 1 run only at positions whose chain of two or more drafts lies in an assistant span, and logits are
+    computed only where step i's chain does (the others never reach the loss or the acceptance estimate);
+    ``draft_argmax`` is -1 elsewhere.
 
     Args:
         input_ids: int64 [B, n]; loss_mask: [B, n] 0/1 (``loss_mask[t] = 1``: ``x_t`` is an assistant token);
         aux_hidden: [B, n, 3 * H_target]; targets: :func:`draft_targets` of the same sequence.
     """
-    outs = ttt_unroll(head, input_ids, aux_hidden, num_steps)
     chains = chain_masks(loss_mask, num_steps)
+    outs = ttt_unroll(head, input_ids, aux_hidden, num_steps, keep=chains[1] if num_steps > 1 else None)
     total = aux_hidden.new_zeros((), dtype=torch.float32)
     step_loss, step_correct, step_count, argmaxes = [], [], [], []
-    for i, hidden in enumerate(outs):
-        b_idx, t_idx = chains[i].nonzero(as_tuple=True)
+    for i, out in enumerate(outs):
+        b_idx, l_idx = (out.valid & chains[i].gather(1, out.positions)).nonzero(as_tuple=True)
+        t_idx = out.positions[b_idx, l_idx]
         s_idx = t_idx + 1 + i  # the target position whose distribution step i learns (< n by the chain mask)
-        logits = head.compute_logits(hidden[b_idx, t_idx]).float()
+        logits = head.compute_logits(out.hidden[b_idx, l_idx]).float()
         valid = targets.in_vocab[b_idx, s_idx]
         count = valid.sum()
         ce = soft_cross_entropy(logits, targets.p[b_idx, s_idx])
