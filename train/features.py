@@ -179,13 +179,14 @@ def write_feature_shards(samples: Iterable[dict], extractor: TargetFeatureExtrac
         name = f"{run}-rank{rank}-{shard_id:05d}.safetensors"
         tmp = out / f".{name}.tmp"
         save_file(shard, str(tmp))
+        os.chmod(tmp, 0o644)
         os.replace(tmp, out / name)
         shard, shard_id = {}, shard_id + 1
 
     pending: list[dict] = []
     count = 0
 
-    def run(batch_samples):
+    def process(batch_samples):
         nonlocal count
         feats = extractor(batch_samples)
         for row, s in enumerate(batch_samples):
@@ -206,10 +207,10 @@ def write_feature_shards(samples: Iterable[dict], extractor: TargetFeatureExtrac
     for s in tqdm(samples, total=total, desc=f"target features (rank {rank})", disable=not progress):
         pending.append(s)
         if len(pending) == batch_size:
-            run(pending)
+            process(pending)
             pending = []
     if pending:
-        run(pending)
+        process(pending)
     flush()
     path = out / f"index-{run}-rank{rank}.json"
     tmp = out / f".index-{run}-rank{rank}.json.tmp"
