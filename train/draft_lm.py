@@ -207,6 +207,9 @@ def assemble_draft_lm(config: LlamaConfig, trained: dict[str, torch.Tensor], tar
 
 
 def _swap_in(tmp: Path, out: Path) -> None:
+    os.chmod(tmp, 0o755)
+    for path in tmp.rglob("*"):  # safetensors writes 0600 files; exports are meant to be shared
+        os.chmod(path, 0o755 if path.is_dir() else 0o644)
     if out.exists():
         old = out.parent / f".{out.name}.old-{uuid.uuid4().hex}"
         os.rename(out, old)
@@ -259,7 +262,6 @@ def save_draft_lm(config: LlamaConfig, trained: dict[str, torch.Tensor], out_dir
             tokenizer.save_pretrained(tmp)
         for name, text in (extra_files or {}).items():
             (tmp / name).write_text(text)
-        os.chmod(tmp, 0o755)
         _swap_in(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

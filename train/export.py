@@ -197,6 +197,8 @@ def _tmp_sibling(out: Path) -> Path:
 
 def _swap_in(tmp: Path, out: Path) -> None:
     os.chmod(tmp, 0o755)
+    for path in tmp.rglob("*"):  # safetensors writes 0600 files; exports are meant to be shared
+        os.chmod(path, 0o755 if path.is_dir() else 0o644)
     if out.exists():
         old = out.parent / f".{out.name}.old-{uuid.uuid4().hex}"
         os.rename(out, old)
