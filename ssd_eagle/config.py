@@ -46,6 +46,8 @@ class SpeculativeConfig:
         speculator: ``process`` (its own process and device, overlapping verification) or ``local`` (in the
             verifier's process, no overlap; for debugging).
         speculator_timeout: seconds the verifier waits for the speculator before falling back to plain decoding.
+        tree_budget: propose EAGLE-2 dynamic trees of this many nodes (0: chains of K tokens).
+        tree_depth / tree_topk: tree levels (capped by K) and expansions per level.
 
     Raises:
         ValueError: unknown key or out-of-range value, naming the key.
@@ -67,6 +69,9 @@ class SpeculativeConfig:
     fast_backup_batch: int = 8
     speculator: str = "process"
     speculator_timeout: float = 60.0
+    tree_budget: int = 0
+    tree_depth: int = 5
+    tree_topk: int = 4
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -90,8 +95,25 @@ class SpeculativeConfig:
                              f"got {self.fanout_strategy!r}")
         if self.backup not in ("neural", "fast", "auto"):
             raise ValueError(f"speculative_config.backup must be neural, fast or auto, got {self.backup!r}")
+        if self.tree_budget < 0 or self.tree_depth < 1 or self.tree_topk < 1:
+            raise ValueError("speculative_config.tree_budget must be >= 0 and tree_depth, tree_topk >= 1")
+        if self.tree_budget and self.method == "ngram":
+            raise ValueError("speculative_config.tree_budget needs a neural draft (draft_model or eagle3)")
         if self.speculator not in ("process", "local"):
             raise ValueError(f"speculative_config.speculator must be process or local, got {self.speculator!r}")
+
+    def tree_settings(self):
+        """The dynamic-tree shape, or None for chains."""
+        from ssd_eagle.drafters.tree import TreeSettings
+
+        if not self.tree_budget:
+            return None
+        return TreeSettings(self.tree_budget, min(self.tree_depth, self.num_speculative_tokens), self.tree_topk)
+
+    @property
+    def max_draft_tokens(self) -> int:
+        """Most draft tokens in one proposal (tree nodes or K)."""
+        return max(self.tree_budget, self.num_speculative_tokens)
 
     def resolved_fanout(self) -> list[int]:
         """F_0..F_K (K + 1 entries) after applying ``fanout_strategy``."""
@@ -204,6 +226,16 @@ def default_speculative_config() -> SpeculativeConfig:
     return SpeculativeConfig()
 
 
+def default_draft_model(method: str) -> str | None:
+    """The committed default draft for a method (``drafts/`` in the repository), or None."""
+    if DEFAULT_SERVING_CONFIG.is_file():
+        data = yaml.safe_load(DEFAULT_SERVING_CONFIG.read_text()) or {}
+        path = (data.get("default_drafts") or {}).get(method)
+        if path:
+            return str(CONFIG_DIR.parent / path) if not Path(path).is_absolute() else path
+    return None
+
+
 def default_mode() -> str:
     """The mode of ``configs/default_serving.yaml`` (``sd`` when absent)."""
     if DEFAULT_SERVING_CONFIG.is_file():
@@ -232,6 +264,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         '"num_speculative_tokens": K, ...} (default: configs/default_serving.yaml)')
     g.add_argument("--num-speculative-tokens", type=int, default=None,
                    help="override speculative_config.num_speculative_tokens (K)")
+    g.add_argument("--drafter", default=None, choices=METHODS,
+                   help="override speculative_config.method (with the default config's model for it, if any)")
+    g.add_argument("--tree-budget", type=int, default=None, help="dynamic draft trees of this many nodes (0: chain)")
+    g.add_argument("--tree-depth", type=int, default=None, help="dynamic tree levels (<= K)")
+    g.add_argument("--tree-topk", type=int, default=None, help="dynamic tree expansions per level")
     g.add_argument("--max-model-len", type=int, default=None,
                    help="longest prompt + output in tokens (default: the target's max positions)")
     g.add_argument("--max-num-seqs", type=int, default=8, help="requests decoded together in one batch")
@@ -250,8 +287,15 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     mode = args.mode or default_mode()
     if spec is None and mode != "ar":
         spec = default_speculative_config()
-    if spec is not None and args.num_speculative_tokens is not None:
-        spec = SpeculativeConfig.from_dict({**spec.to_dict(), "num_speculative_tokens": args.num_speculative_tokens})
+    if spec is not None:
+        overrides = {key: value for key, value in (
+            ("num_speculative_tokens", args.num_speculative_tokens), ("method", args.drafter),
+            ("tree_budget", args.tree_budget), ("tree_depth", args.tree_depth), ("tree_topk", args.tree_topk))
+            if value is not None}
+        if args.drafter and args.drafter != spec.method:
+            overrides["model"] = default_draft_model(args.drafter)
+        if overrides:
+            spec = SpeculativeConfig.from_dict({**spec.to_dict(), **overrides})
     return EngineConfig(model=args.model, dtype=args.dtype, device=args.device, mode=mode, speculative_config=spec,
                         max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs, seed=args.seed,
                         num_threads=args.num_threads, draft_device=args.draft_device,

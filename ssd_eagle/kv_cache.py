@@ -159,6 +159,45 @@ class ForwardBatch:
         return cls.build(ids, positions, positions, slots, visible, dtype, device, num)
 
     @classmethod
+    def tree(cls, roots: list[int], nodes: list[list[int]], parents: list[list[int]], slots: list[int],
+             starts: list[int], dtype: torch.dtype, device: torch.device | str) -> ForwardBatch:
+        """A root token plus a draft tree per row, in one forward (EAGLE / SpecInfer tree attention).
+
+        Row b's root ``roots[b]`` sits at position ``starts[b]`` (its first ``starts[b]`` positions are cached).
+        Node i (1-based; ``nodes[b][i-1]``, parent ``parents[b][i-1]``, 0 = the root, parents listed before
+        children) is written at ``starts[b] + i``, has rotary position ``starts[b] + depth(i)``, and sees the
+        cached prefix plus its ancestors and itself. A chain is the tree with ``parents = [0, 1, 2, ...]``.
+        """
+        B = len(roots)
+        n = 1 + max(len(t) for t in nodes)
+        ids = torch.zeros(B, n, dtype=torch.long)
+        depth = torch.zeros(B, n, dtype=torch.long)
+        anc = torch.zeros(B, n, n, dtype=torch.bool)  # anc[b, i, j]: node j is node i or one of its ancestors
+        for b in range(B):
+            ids[b, 0] = roots[b]
+            anc[b, 0, 0] = True
+            for i, (tok, par) in enumerate(zip(nodes[b], parents[b]), start=1):
+                if not 0 <= par < i:
+                    raise ValueError(f"tree parents must precede their children, got parent {par} for node {i}")
+                ids[b, i] = tok
+                depth[b, i] = depth[b, par] + 1
+                anc[b, i] = anc[b, par]
+                anc[b, i, i] = True
+            for i in range(len(nodes[b]) + 1, n):  # padding: a chain below the root, harmless and finite
+                depth[b, i] = i
+                anc[b, i, : i + 1] = True
+        start = torch.as_tensor(starts, dtype=torch.long)
+        write = start[:, None] + torch.arange(n)[None, :]
+        kv_len = int(write.max()) + 1
+        cols = torch.arange(kv_len)[None, None, :]
+        prefix = cols < start[:, None, None]
+        offset = (cols - start[:, None, None]).clamp(min=0, max=n - 1)
+        in_tree = (cols >= start[:, None, None]) & (cols < (start + n)[:, None, None])
+        visible = prefix | (in_tree & anc.gather(2, offset.expand(B, n, kv_len)))
+        return cls.build(ids, start[:, None] + depth, write, slots, visible, dtype, device,
+                         [1 + len(t) for t in nodes])
+
+    @classmethod
     def build(cls, input_ids: torch.Tensor, position_ids: torch.Tensor, write_positions: torch.Tensor,
               slots: list[int], visible: torch.Tensor, dtype: torch.dtype, device: torch.device | str,
               num_tokens: list[int]) -> ForwardBatch:

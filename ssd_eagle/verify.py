@@ -123,3 +123,36 @@ def saguaro_scale(q: torch.Tensor, C: float, fanout: int | torch.Tensor) -> torc
     scale = torch.ones_like(q).scatter_(-1, top_idx, torch.where(in_top, C, 1.0).to(q.dtype))
     scaled = q * scale
     return scaled / scaled.sum(dim=-1, keepdim=True)
+
+
+def tree_verify(target_logits: torch.Tensor, nodes: list[int], parents: list[int], probs: torch.Tensor | None,
+                generator: torch.Generator | None) -> tuple[list[int], int]:
+    """Walk a draft tree from the root, keeping the child the target would emit (SpecInfer/EAGLE tree decoding).
+
+    The children of a node are the drafter's deterministic choices (e.g. its top-k tokens), not samples from q.
+    For such proposals the exact multi-candidate scheme is: at node u draw ``x ~ p_u`` (argmax at T = 0); if some
+    child of u carries x, accept it and continue from it, else emit x as the bonus token and stop. Each emitted
+    token is then exactly a draw from the target's distribution given the text before it, whatever the tree, so
+    the output law is the target's; the chance of continuing past u is ``sum_{children c} p_u(c)``.
+
+    Args:
+        target_logits: [n, V] for the root (index 0) and the nodes (index i = node i).
+        nodes: token of node i at ``nodes[i - 1]``; parents: parent of node i (0 = root), parents first.
+        probs: processed target probabilities [n, V] for sampling, or None for greedy.
+        generator: the row's generator (one categorical draw per visited node).
+
+    Returns:
+        (accepted node indices along the path, 1-based; the bonus token).
+    """
+    children: dict[int, dict[int, int]] = {}
+    for i, (token, parent) in enumerate(zip(nodes, parents), start=1):
+        children.setdefault(parent, {}).setdefault(token, i)
+    path: list[int] = []
+    u = 0
+    while True:
+        x = int(target_logits[u].argmax()) if probs is None else int(sample(probs[u: u + 1], [generator])[0])
+        nxt = children.get(u, {}).get(x)
+        if nxt is None:
+            return path, x
+        path.append(nxt)
+        u = nxt

@@ -23,13 +23,13 @@ from test_engine import noisy_copy, random_prompts, reference_greedy
 K = 4
 
 
-def ssd_engine(target, draft, tokenizer, speculator="local", max_num_seqs=4, **spec):
-    spec = {"method": "draft_model", "model": "in-memory", "num_speculative_tokens": K, "fanout": [2],
+def ssd_engine(target, draft, tokenizer, speculator="local", max_num_seqs=4, k=K, **spec):
+    spec = {"method": "draft_model", "model": "in-memory", "num_speculative_tokens": k, "fanout": [2],
             "speculator": speculator, **spec}
     cfg = EngineConfig(model="in-memory", mode="ssd", max_num_seqs=max_num_seqs, max_model_len=512,
                        speculative_config=SpeculativeConfig(**spec))
     drafter = build_ssd_drafter(cfg, target, draft=draft)
-    return LLMEngine(target, tokenizer, drafter, num_speculative_tokens=K, max_num_seqs=max_num_seqs,
+    return LLMEngine(target, tokenizer, drafter, num_speculative_tokens=k, max_num_seqs=max_num_seqs,
                      max_model_len=512)
 
 
@@ -77,7 +77,7 @@ def test_a_hit_requires_the_exact_outcome(byte_tokenizer):
 # ---------------------------------------------------------------------------------------------------------------
 # the output law at T > 0 on a 4-token vocabulary
 
-V, T_OUT, N_REQ = 4, 4, 6000
+V, T_OUT, N_REQ = 4, 4, 4000
 
 
 def exact_law(target, prompt: list[int], temperature: float) -> np.ndarray:
@@ -111,12 +111,12 @@ def pooled_chisquare(counts: np.ndarray, law: np.ndarray) -> float:
 @pytest.mark.parametrize("variant", [
     dict(),
     dict(saguaro_c=0.3, fanout=[1]),
-    dict(backup="fast", fanout_strategy="geometric", fanout_budget=6, fanout_acceptance=0.5),
+    dict(backup="fast", fanout_strategy="geometric", fanout_budget=4, fanout_acceptance=0.5),
 ], ids=["neural_backup_uniform", "saguaro", "fast_backup_geometric"])
 def test_output_law_equals_the_targets(variant, byte_tokenizer):
     target = make_tiny_llama(vocab_size=V, seed=6, init_std=0.15)
     draft = noisy_copy(target, 0.5, seed=9)
-    engine = ssd_engine(target, draft, byte_tokenizer, max_num_seqs=64, **variant)
+    engine = ssd_engine(target, draft, byte_tokenizer, max_num_seqs=128, k=2, **variant)
     prompt = [1, 3, 0, 2, 2]
     temperature = 0.9
     params = [SamplingParams(temperature=temperature, max_tokens=T_OUT, ignore_eos=True, seed=i)
@@ -125,7 +125,7 @@ def test_output_law_equals_the_targets(variant, byte_tokenizer):
     flat = np.array([sum(t * V ** (T_OUT - 1 - j) for j, t in enumerate(o.token_ids)) for o in outs])
     counts = np.bincount(flat, minlength=V**T_OUT)
     stats = engine.stats
-    assert stats.cache_hits > 100 and stats.cache_lookups - stats.cache_hits > 100, "need hits and misses"
+    assert stats.cache_hits > 50 and stats.cache_lookups - stats.cache_hits > 50, "need hits and misses"
     assert pooled_chisquare(counts, exact_law(target, prompt, temperature)) > 1e-4
 
 

@@ -27,9 +27,10 @@ def build_drafter(spec, target_model, num_slots: int, max_len: int) -> Drafter:
 
         model, _ = load_model(spec.model, dtype=param.dtype, device=param.device)
         return DraftModelDrafter(model, target_model.config.get_text_config().vocab_size, num_slots, max_len,
-                                 saguaro)
+                                 saguaro, spec.tree_settings())
     if spec.method == "eagle3":
         from ssd_eagle.drafters.eagle3 import Eagle3Drafter
 
-        return Eagle3Drafter.from_pretrained(spec.model, target_model, num_slots, max_len, saguaro)
+        return Eagle3Drafter.from_pretrained(spec.model, target_model, num_slots, max_len, saguaro,
+                                             spec.tree_settings())
     raise ValueError(f"unknown speculative method {spec.method!r}")

@@ -30,8 +30,11 @@ class Proposal:
     """Draft tokens for one sequence.
 
     Attributes:
-        tokens: the proposed ids ``d_1..d_k`` (k may be 0).
-        q: float [k, V_target], the distributions the tokens were sampled from, or None for point masses.
+        tokens: the proposed ids ``d_1..d_k`` (k may be 0); for a tree, the node tokens (node i = tokens[i-1]).
+        q: float [k, V_target], the distributions the tokens were sampled from, or None for point masses
+            (chains only; tree children are deterministic choices, verified by sample-and-match).
+        parents: None for a chain; for a tree, the parent of each node (0 = the last committed token), parents
+            listed before their children.
         cache_hit: SSD only: whether this proposal came from the speculation cache (None: no lookup happened).
         lookup_k: SSD only: the accepted length k that was looked up.
     """
@@ -40,6 +43,7 @@ class Proposal:
     q: torch.Tensor | None = None
     cache_hit: bool | None = None
     lookup_k: int | None = None
+    parents: list[int] | None = None
 
 
 class Drafter(ABC):

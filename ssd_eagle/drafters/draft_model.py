@@ -4,6 +4,8 @@ The draft keeps its own :class:`KVCache` (one slot per sequence, the sequence's 
 with k accepted tokens its cache is valid for the tokens it fed that are now committed: the prompt and earlier
 output, plus the first ``min(k, K - 1)`` drafts (the K-th draft is never fed). The next round first feeds the
 committed tokens it has not seen (one or two) and then drafts, so every round costs K draft forwards.
+With ``tree`` settings it proposes EAGLE-2 dynamic trees instead (the tree's entries are not kept: the next round
+feeds the accepted tokens again).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from ssd_eagle.drafters.base import Drafter, Proposal, SaguaroSampling, sample_draft_tokens
+from ssd_eagle.drafters.tree import TreeSettings, grow_trees
 from ssd_eagle.kv_cache import ForwardBatch
 from ssd_eagle.model_runner import ModelRunner
 
@@ -32,7 +35,8 @@ class DraftModelDrafter(Drafter):
         target_vocab_size: the target's vocabulary size (checked).
         num_slots: engine's max concurrent sequences.
         max_len: positions per slot.
-        saguaro: optional Saguaro sampling of q.
+        saguaro: optional Saguaro sampling of q (chains only).
+        tree: propose dynamic trees of this shape instead of chains.
 
     Raises:
         ValueError: the draft's vocabulary differs from the target's.
@@ -41,12 +45,13 @@ class DraftModelDrafter(Drafter):
     name = "draft_model"
 
     def __init__(self, model, target_vocab_size: int, num_slots: int, max_len: int,
-                 saguaro: SaguaroSampling | None = None):
+                 saguaro: SaguaroSampling | None = None, tree: TreeSettings | None = None):
         draft_vocab = model.get_output_embeddings().weight.shape[0]
         if draft_vocab != target_vocab_size:
             raise ValueError(f"draft model vocabulary ({draft_vocab}) must equal the target's ({target_vocab_size})")
         self.runner = ModelRunner(model, num_slots, max_len)
         self.saguaro = saguaro
+        self.tree = tree
         self.states: dict[str, _DraftState] = {}
 
     def add_sequence(self, seq, prompt_aux=None) -> None:
@@ -75,6 +80,8 @@ class DraftModelDrafter(Drafter):
         batch = ForwardBatch.causal(chunks, [seqs[i].slot for i in active], starts,
                                     self.runner.dtype, self.runner.device)
         logits = self.runner.forward(batch, logits_index=last.to(self.runner.device)).logits[:, 0]
+        if self.tree is not None:
+            return self._propose_trees(seqs, active, num_tokens, logits, proposals)
         rows = active
         for position in range(max(num_tokens[i] for i in active)):
             row_seqs = [seqs[i] for i in rows]
@@ -94,6 +101,24 @@ class DraftModelDrafter(Drafter):
             batch = ForwardBatch.causal(feed, [seqs[i].slot for i in rows], starts,
                                         self.runner.dtype, self.runner.device)
             logits = self.runner.forward(batch).logits[:, 0]
+        return proposals
+
+    def _propose_trees(self, seqs, rows, num_tokens, root_logits, proposals):
+        slots = [seqs[i].slot for i in rows]
+        runner = self.runner
+
+        def step(tokens, feats, positions, write, visible):
+            batch = ForwardBatch.build(tokens, positions, write, slots, visible, runner.dtype, runner.device,
+                                       [tokens.shape[1]] * len(slots))
+            return runner.forward(batch).logits, None
+
+        lengths = torch.tensor([len(seqs[i].token_ids) for i in rows])
+        base = torch.arange(int(lengths.max()))[None, :] < lengths[:, None]  # the committed tokens
+        trees = grow_trees(step, root_logits, None, base, region_start=lengths.tolist(),
+                           root_position=(lengths - 1).tolist(), settings=self.tree,
+                           max_depth=[num_tokens[i] for i in rows])
+        for i, tree in zip(rows, trees):
+            proposals[i] = Proposal(tree.tokens, parents=tree.parents) if tree.tokens else Proposal([])
         return proposals
 
     def on_verified(self, seq, num_accepted: int, aux=None) -> None:

@@ -12,6 +12,10 @@ drafting, the head feeds back its own output as the next feature. So for a seque
 
 Draft logits live in the head's reduced vocabulary; they are mapped to the target's (-inf elsewhere) before
 sampling, so q is a distribution over target ids with zeros outside the draft vocabulary.
+
+With ``tree`` settings the drafter proposes EAGLE-2 dynamic trees (:mod:`ssd_eagle.drafters.tree`) instead of
+chains; tree nodes are fed their parent's output as the feature, and after verification the head's cache is
+rebuilt for the accepted branch from the target's features exactly as for a chain.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from ssd_eagle.drafters.base import Drafter, Proposal, SaguaroSampling, sample_draft_tokens
+from ssd_eagle.drafters.tree import TreeSettings, grow_trees
 from ssd_eagle.kv_cache import ForwardBatch, KVCache
 
 
@@ -36,14 +41,16 @@ class Eagle3Drafter(Drafter):
     Args:
         head: the EAGLE-3 head, with the target's embeddings attached (``set_embeddings``).
         num_slots: engine's max concurrent sequences (cache rows; a sequence uses its target slot).
-        max_len: positions per slot.
-        saguaro: optional Saguaro sampling of q.
+        max_len: positions per slot (sequence plus draft positions).
+        saguaro: optional Saguaro sampling of q (chains only).
+        tree: propose dynamic trees of this shape instead of chains.
     """
 
     name = "eagle3"
     needs_aux_hidden = True
 
-    def __init__(self, head, num_slots: int, max_len: int, saguaro: SaguaroSampling | None = None):
+    def __init__(self, head, num_slots: int, max_len: int, saguaro: SaguaroSampling | None = None,
+                 tree: TreeSettings | None = None):
         self.head = head.eval()
         cfg = head.config
         param = head.lm_head.weight
@@ -51,11 +58,12 @@ class Eagle3Drafter(Drafter):
         self.kv = KVCache(1, num_slots, cfg.num_key_value_heads, cfg.head_dim, max_len, self.dtype, self.device)
         self.aux_layer_ids = tuple(cfg.aux_layer_ids)
         self.saguaro = saguaro
+        self.tree = tree
         self.states: dict[str, _HeadState] = {}
 
     @classmethod
     def from_pretrained(cls, path: str, target_model, num_slots: int, max_len: int,
-                        saguaro: SaguaroSampling | None = None) -> Eagle3Drafter:
+                        saguaro: SaguaroSampling | None = None, tree: TreeSettings | None = None) -> Eagle3Drafter:
         """Load a head (our export or a public layout), check it fits the target, share the target's embeddings.
 
         Raises:
@@ -67,7 +75,7 @@ class Eagle3Drafter(Drafter):
         param = next(target_model.parameters())
         head = load_eagle3(path, target_config=target_model.config, dtype=param.dtype, device=param.device)
         head.set_embeddings(target_model.get_input_embeddings())
-        return cls(head, num_slots, max_len, saguaro)
+        return cls(head, num_slots, max_len, saguaro, tree)
 
     def add_sequence(self, seq, prompt_aux: torch.Tensor | None) -> None:
         if prompt_aux is None:
@@ -115,6 +123,8 @@ class Eagle3Drafter(Drafter):
         for i, st in zip(rows, states):
             st.num_fed += st.pending.shape[0]
             st.pending = None
+        if self.tree is not None:
+            return self._propose_trees(seqs, rows, num_tokens, logits, last, proposals)
         qs_per_row: dict[int, list[torch.Tensor]] = {i: [] for i in rows}
         for position in range(max(num_tokens[i] for i in rows)):
             tokens, qs = sample_draft_tokens(logits, [seqs[i] for i in rows], position, self.saguaro)
@@ -136,4 +146,23 @@ class Eagle3Drafter(Drafter):
         for i, qs in qs_per_row.items():
             if qs:
                 proposals[i].q = torch.stack(qs)
+        return proposals
+
+    def _propose_trees(self, seqs, rows, num_tokens, root_logits, root_hidden, proposals):
+        slots = [seqs[i].slot for i in rows]
+
+        def step(tokens, feats, positions, write, visible):
+            batch = ForwardBatch.build(tokens, positions, write, slots, visible, self.dtype, self.device,
+                                       [tokens.shape[1]] * len(slots))
+            out = self.head(batch.input_ids, feats, batch.position_ids, batch.attn_mask, self.kv.bind(batch))
+            return self.head.to_target_logits(self.head.compute_logits(out)), out
+
+        lengths = torch.tensor([len(seqs[i].token_ids) for i in rows])
+        # pairs 0 .. N-2 hold target features; the tree's region starts right after them
+        base = torch.arange(int(lengths.max()) - 1)[None, :] < (lengths - 1)[:, None]
+        trees = grow_trees(step, root_logits, root_hidden, base, region_start=(lengths - 1).tolist(),
+                           root_position=(lengths - 2).tolist(), settings=self.tree,
+                           max_depth=[num_tokens[i] for i in rows])
+        for i, tree in zip(rows, trees):
+            proposals[i] = Proposal(tree.tokens, parents=tree.parents) if tree.tokens else Proposal([])
         return proposals

@@ -113,12 +113,14 @@ def build_engine(config: EngineConfig) -> LLMEngine:
     if config.mode == "sd":
         spec = config.speculative_config
         K = spec.num_speculative_tokens
-        drafter = build_drafter(spec, model, config.max_num_seqs, max_model_len + K + 1)
+        extra = spec.max_draft_tokens + spec.tree_depth * spec.tree_topk + 2  # chain/tree drafts past the text
+        drafter = build_drafter(spec, model, config.max_num_seqs, max_model_len + extra)
     elif config.mode == "ssd":
         from ssd_eagle.ssd import build_ssd_drafter
 
         spec = config.speculative_config
         K = spec.num_speculative_tokens
         drafter = build_ssd_drafter(config, model, max_model_len=max_model_len)
+    max_draft = config.speculative_config.max_draft_tokens if drafter is not None else 0
     return LLMEngine(model, tokenizer, drafter, num_speculative_tokens=K, max_num_seqs=config.max_num_seqs,
-                     max_model_len=max_model_len, seed=config.seed)
+                     max_model_len=max_model_len, seed=config.seed, max_draft_tokens=max_draft)

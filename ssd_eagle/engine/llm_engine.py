@@ -31,7 +31,7 @@ from ssd_eagle.model_runner import ModelRunner
 from ssd_eagle.sampling import SamplingTensors, logits_to_probs, sample
 from ssd_eagle.sampling_params import SamplingParams
 from ssd_eagle.stats import SpecStats
-from ssd_eagle.verify import greedy_verify, rejection_verify
+from ssd_eagle.verify import greedy_verify, rejection_verify, tree_verify
 
 log = logging.getLogger(__name__)
 
@@ -49,16 +49,18 @@ class LLMEngine:
         eos_token_ids: ids that end a request (default: the model's generation config and tokenizer EOS ids).
         seed: seeds the generators of requests that bring no seed.
         prefill_chunk: prompt tokens per prefill forward.
+        max_draft_tokens: most draft tokens (tree nodes) in one proposal (default: K).
     """
 
     def __init__(self, model, tokenizer, drafter: Drafter | None = None, num_speculative_tokens: int = 5,
                  max_num_seqs: int = 8, max_model_len: int | None = None, eos_token_ids: set[int] | None = None,
-                 seed: int = 0, prefill_chunk: int = 512):
+                 seed: int = 0, prefill_chunk: int = 512, max_draft_tokens: int | None = None):
         from ssd_eagle.assets import eos_token_ids as model_eos_ids
 
         self.tokenizer = tokenizer
         self.drafter = drafter
         self.K = num_speculative_tokens if drafter is not None else 0
+        self.max_draft_tokens = max(max_draft_tokens or 0, self.K)
         self.mode_name = "ar" if drafter is None else f"{getattr(drafter, 'mode', 'sd')}:{drafter.name}"
         cfg = model.config.get_text_config()
         self.vocab_size = cfg.vocab_size
@@ -67,7 +69,7 @@ class LLMEngine:
         self.eos_token_ids = set(eos_token_ids) if eos_token_ids is not None else model_eos_ids(model, tokenizer)
         aux_ids = getattr(drafter, "aux_layer_ids", None) if drafter is not None and drafter.needs_aux_hidden \
             else None
-        self.target = ModelRunner(model, max_num_seqs, self.max_model_len + self.K + 1, aux_ids)
+        self.target = ModelRunner(model, max_num_seqs, self.max_model_len + self.max_draft_tokens + 1, aux_ids)
         self.needs_aux = aux_ids is not None
         self.prefill_chunk = prefill_chunk
         self._rng = random.Random(seed)
@@ -205,22 +207,29 @@ class LLMEngine:
         budgets = [self._draft_budget(s) for s in seqs]
         # called even with zero budgets: stateful drafters track every round
         proposals = self._call_drafter("propose", seqs, budgets) or [Proposal([]) for _ in seqs]
-        for i, budget in enumerate(budgets):
-            if len(proposals[i].tokens) > budget:  # a drafter bug must not break max_tokens/max_model_len
-                proposals[i] = Proposal(proposals[i].tokens[:budget],
-                                        None if proposals[i].q is None else proposals[i].q[:budget])
+        proposals = [self._within_budget(p, b) for p, b in zip(proposals, budgets)]
         t1 = time.perf_counter()
-        inputs = [[s.token_ids[-1]] + p.tokens for s, p in zip(seqs, proposals)]
-        batch = ForwardBatch.causal(inputs, [s.slot for s in seqs], [s.num_cached for s in seqs],
-                                    self.target.dtype, self.target.device)
+        slots, starts = [s.slot for s in seqs], [s.num_cached for s in seqs]
+        if any(p.parents is not None for p in proposals):
+            parents = [p.parents if p.parents is not None else list(range(len(p.tokens))) for p in proposals]
+            batch = ForwardBatch.tree([s.token_ids[-1] for s in seqs], [p.tokens for p in proposals], parents,
+                                      slots, starts, self.target.dtype, self.target.device)
+        else:
+            batch = ForwardBatch.causal([[s.token_ids[-1]] + p.tokens for s, p in zip(seqs, proposals)], slots,
+                                        starts, self.target.dtype, self.target.device)
         out = self.target.forward(batch, capture_aux=self.needs_aux)
-        accepted, bonus = self._verify(seqs, proposals, out.logits)
+        paths, bonus = self._verify(seqs, proposals, out.logits)
         t2 = time.perf_counter()
         self.stats.draft_time += t1 - t0
         self.stats.verify_time += t2 - t1
         for row, (seq, p) in enumerate(zip(seqs, proposals)):
-            k = int(accepted[row])
-            emitted = self._append(seq, p.tokens[:k] + [int(bonus[row])], out.logits[row, : k + 1])
+            path = paths[row]
+            k = len(path)
+            if path != list(range(1, k + 1)):  # a tree branch: move its keys/values next to the prefix
+                self.target.kv.compact(seq.slot, torch.tensor(path, device=self.target.device) + seq.num_cached,
+                                       seq.num_cached + 1)
+            keep = [0] + path
+            emitted = self._append(seq, [p.tokens[j - 1] for j in path] + [bonus[row]], out.logits[row, keep])
             seq.num_cached += k + 1
             for stats in (seq.stats, self.stats):
                 stats.record_round(len(p.tokens), k, emitted)
@@ -229,23 +238,50 @@ class LLMEngine:
             seq.stats.draft_time += t1 - t0
             seq.stats.verify_time += t2 - t1
             if not seq.finished:
-                self._call_drafter("on_verified", seq, k, out.aux_hidden[row, : k + 1] if self.needs_aux else None)
+                self._call_drafter("on_verified", seq, k, out.aux_hidden[row, keep] if self.needs_aux else None)
+
+    def _within_budget(self, p: Proposal, budget: int) -> Proposal:
+        """Guard against drafter bugs: a chain is cut to ``budget`` tokens; a tree deeper than ``budget`` or
+        larger than ``max_draft_tokens`` is dropped (nothing may break max_tokens or max_model_len)."""
+        if p.parents is None:
+            if len(p.tokens) <= budget:
+                return p
+            return Proposal(p.tokens[:budget], None if p.q is None else p.q[:budget], p.cache_hit, p.lookup_k)
+        depth = [0]
+        for parent in p.parents:
+            depth.append(depth[parent] + 1)
+        if max(depth) <= budget and len(p.tokens) <= self.max_draft_tokens:
+            return p
+        return Proposal([], None, p.cache_hit, p.lookup_k)
 
     def _verify(self, seqs: list[Sequence], proposals: list[Proposal],
-                logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                logits: torch.Tensor) -> tuple[list[list[int]], list[int]]:
+        """Accepted node path (1-based; a chain accepting k gives ``[1..k]``) and bonus token of every row."""
         B, n = logits.shape[:2]
         device = logits.device
+        paths: list[list[int]] = [[] for _ in range(B)]
+        bonus = [0] * B
+        trees = [i for i, p in enumerate(proposals) if p.parents is not None]
+        chains = [i for i, p in enumerate(proposals) if p.parents is None]
+        for i in trees:
+            probs = None
+            if not seqs[i].params.greedy:
+                probs = logits_to_probs(logits[i: i + 1], SamplingTensors.from_params([seqs[i].params], device))[0]
+            paths[i], bonus[i] = tree_verify(logits[i], proposals[i].tokens, proposals[i].parents, probs,
+                                             seqs[i].generator)
+        if not chains:
+            return paths, bonus
         drafts = torch.zeros(B, n - 1, dtype=torch.long)
-        for row, p in enumerate(proposals):
-            drafts[row, : len(p.tokens)] = torch.tensor(p.tokens, dtype=torch.long)
+        for row in chains:
+            drafts[row, : len(proposals[row].tokens)] = torch.tensor(proposals[row].tokens, dtype=torch.long)
         drafts = drafts.to(device)
         num_draft = torch.tensor([len(p.tokens) for p in proposals], device=device)
         accepted = torch.zeros(B, dtype=torch.long, device=device)
-        bonus = torch.zeros(B, dtype=torch.long, device=device)
-        greedy = [i for i, s in enumerate(seqs) if s.params.greedy]
-        sampled = [i for i, s in enumerate(seqs) if not s.params.greedy]
+        bonus_t = torch.zeros(B, dtype=torch.long, device=device)
+        greedy = [i for i in chains if seqs[i].params.greedy]
+        sampled = [i for i in chains if not seqs[i].params.greedy]
         if greedy:
-            accepted[greedy], bonus[greedy] = greedy_verify(logits[greedy], drafts[greedy], num_draft[greedy])
+            accepted[greedy], bonus_t[greedy] = greedy_verify(logits[greedy], drafts[greedy], num_draft[greedy])
         if sampled:
             p = logits_to_probs(logits[sampled], SamplingTensors.from_params([seqs[i].params for i in sampled],
                                                                              device))
@@ -258,9 +294,12 @@ class LLMEngine:
                         q[j, : len(prop.tokens)] = prop.q.to(p.dtype)
                     elif prop.tokens:  # deterministic proposal: point masses
                         q[j, torch.arange(len(prop.tokens)), drafts[i, : len(prop.tokens)]] = 1.0
-            accepted[sampled], bonus[sampled] = rejection_verify(
+            accepted[sampled], bonus_t[sampled] = rejection_verify(
                 p, q, drafts[sampled], num_draft[sampled], [seqs[i].generator for i in sampled])
-        return accepted.cpu(), bonus.cpu()
+        accepted, bonus_t = accepted.tolist(), bonus_t.tolist()
+        for i in chains:
+            paths[i], bonus[i] = list(range(1, accepted[i] + 1)), bonus_t[i]
+        return paths, bonus
 
     # bookkeeping
     def _append(self, seq: Sequence, tokens: list[int], logits: torch.Tensor) -> int:

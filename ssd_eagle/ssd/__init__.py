@@ -38,6 +38,14 @@ def load_draft_module(spec, target_model):
     raise ValueError(f"SSD needs a neural draft (method 'draft_model' or 'eagle3'), got {spec.method!r}")
 
 
+def ssd_draft_positions(spec) -> int:
+    """Cache positions a speculator needs past the text: the proposal, then every branch's draft (K tokens of a
+    chain, or the root plus (depth - 1) * topk fed nodes of a tree)."""
+    branches = max(sum(spec.resolved_fanout()), sum(spec.resolved_fanout_miss() or [0]))
+    per_branch = spec.num_speculative_tokens if not spec.tree_budget else 1 + spec.tree_depth * spec.tree_topk
+    return 2 * (spec.max_draft_tokens + 1) + branches * per_branch + spec.tree_depth * spec.tree_topk
+
+
 def build_ssd_drafter(config, target_model, draft=None, max_model_len: int | None = None):
     """The verifier-side SSD drafter for an :class:`~ssd_eagle.config.EngineConfig` (mode ``ssd``).
 
@@ -60,10 +68,11 @@ def build_ssd_drafter(config, target_model, draft=None, max_model_len: int | Non
         kind=spec.method, num_speculative_tokens=K, fanout=fanout, fanout_miss=spec.resolved_fanout_miss(),
         backup=spec.backup, fast_backup_batch=spec.fast_backup_batch, saguaro_c=spec.saguaro_c,
         prompt_lookup=(spec.prompt_lookup_min, spec.prompt_lookup_max), num_slots=config.max_num_seqs,
-        # path (K + 1) plus K steps of up to max(fanout) branches per outcome
-        max_len=max_len + 2 * (K + 1) + K * max(sum(fanout), sum(spec.resolved_fanout_miss() or fanout)),
+        max_len=max_len + ssd_draft_positions(spec),
         device=config.draft_device, threads=config.draft_threads,
-        float_dtype=next(target_model.parameters()).dtype, vocab_size=cfg.vocab_size)
+        float_dtype=next(target_model.parameters()).dtype, vocab_size=cfg.vocab_size,
+        tree_budget=spec.tree_budget, tree_depth=spec.tree_depth, tree_topk=spec.tree_topk,
+        fanout_power=spec.fanout_power)
     aux_ids = tuple(draft.config.aux_layer_ids) if spec.method == "eagle3" else None
     if spec.speculator == "local":
         speculator = LocalSpeculator(settings, draft)

@@ -100,13 +100,14 @@ class RemoteSpeculator:
     def propose(self, requests: list[SpecRequest]) -> list[SpecReply]:
         self._check_alive()
         ints = torch.tensor([len(requests)] + [v for r in requests for v in (r.slot, r.num_accepted, r.bonus,
-                                                                                r.budget)])
+                                                                                r.budget)]
+                            + [t for r in requests for t in (r.accepted or [])])
         auxes = [r.aux.reshape(-1).cpu() for r in requests if r.aux is not None and r.num_accepted >= 0]
         self._send(t.PROPOSE, ints, torch.cat(auxes) if auxes else None)
         command, ints, floats, _ = self.channel.recv(self.timeout)
         if command != t.REPLY:
             raise t.SpeculatorUnavailable(f"the speculator answered command {command} instead of a reply")
-        return decode_replies(ints, floats, self.settings.num_speculative_tokens, self.settings.vocab_size)
+        return decode_replies(ints, floats, self.settings.vocab_size)
 
     def remove(self, slot: int) -> None:
         self._check_alive()
@@ -169,7 +170,7 @@ class SSDDrafter(Drafter):
         self.name = draft_name
         self.healthy = True
         self.error: str | None = None
-        self._outcome: dict[str, tuple[int, int, torch.Tensor | None]] = {}
+        self._outcome: dict[str, tuple[int, int, torch.Tensor | None, list[int]]] = {}
         self._registered: set[str] = set()
 
     def _fail(self, err: Exception) -> None:
@@ -193,8 +194,8 @@ class SSDDrafter(Drafter):
             return [Proposal([]) for _ in seqs]
         requests = []
         for i in rows:
-            k, bonus, aux = self._outcome.pop(seqs[i].request_id, (-1, 0, None))
-            requests.append(SpecRequest(seqs[i].slot, k, bonus, num_tokens[i], aux))
+            k, bonus, aux, accepted = self._outcome.pop(seqs[i].request_id, (-1, 0, None, []))
+            requests.append(SpecRequest(seqs[i].slot, k, bonus, num_tokens[i], aux, accepted))
         try:
             replies = self.speculator.propose(requests)
         except t.SpeculatorUnavailable as err:
@@ -202,13 +203,17 @@ class SSDDrafter(Drafter):
             return [Proposal([]) for _ in seqs]
         proposals = [Proposal([]) for _ in seqs]
         for i, r in zip(rows, replies):
-            proposals[i] = Proposal(r.tokens[: num_tokens[i]], None if r.q is None else r.q[: num_tokens[i]],
-                                    cache_hit=r.hit, lookup_k=r.lookup_k)
+            if r.parents is not None:  # a tree (the speculator cut it to the budget's depth)
+                proposals[i] = Proposal(r.tokens, cache_hit=r.hit, lookup_k=r.lookup_k, parents=r.parents)
+            else:
+                proposals[i] = Proposal(r.tokens[: num_tokens[i]], None if r.q is None else r.q[: num_tokens[i]],
+                                        cache_hit=r.hit, lookup_k=r.lookup_k)
         return proposals
 
     def on_verified(self, seq, num_accepted: int, aux) -> None:
         if seq.request_id in self._registered:
-            self._outcome[seq.request_id] = (num_accepted, seq.token_ids[-1], aux)
+            accepted = seq.token_ids[-1 - num_accepted: -1] if num_accepted else []
+            self._outcome[seq.request_id] = (num_accepted, seq.token_ids[-1], aux, accepted)
 
     def remove_sequence(self, seq) -> None:
         self._outcome.pop(seq.request_id, None)

@@ -1,25 +1,31 @@
 """The speculator of speculative speculative decoding (SSD; Kumar, Dao, May 2026, Alg. 1 "Saguaro").
 
 For every sequence the speculator keeps the committed text, its draft cache, the proposal it last returned and the
-*speculation cache*: a map ``(k, bonus) -> next proposal`` built while the target verifies. A round:
+*speculation cache*: a map ``(accepted tokens, bonus) -> next proposal`` built while the target verifies. For a
+chain the accepted tokens are ``s_1..s_k``, so the key is the paper's ``(k, bonus)``. A round:
 
-1. ``propose``: the verifier reports the outcome ``(k, bonus)`` of its last verification; the speculator commits
-   ``s_1..s_k, bonus``, looks the outcome up (a *hit* returns the cached proposal at once) and otherwise runs the
-   backup: ``neural`` (the draft drafts K tokens now) or ``fast`` (n-gram lookup). A miss in one row never redrafts
-   the others. The reply goes out first.
-2. ``build`` (while the target verifies that reply): one forward over ``[last committed, s_1..s_K]`` gives the
-   draft distribution after each prefix ``s_1..s_j``; outcome k's bonus candidates are the top-F_k tokens there,
-   excluding ``s_{k+1}`` (an equal bonus would have been an acceptance). Then all ``sum_k F_k`` branches
-   ``(k, b)`` draft K tokens together, one batched tree-masked forward per step: K + 1 forwards per round whatever
-   the fan-out.
+1. ``propose``: the verifier reports the outcome of its last verification; the speculator commits it, looks it up
+   (a *hit* returns the cached proposal at once, with no draft forward: the round is *seeded* from the cache) and
+   otherwise runs the backup: ``neural`` (the draft drafts now, from the fresh target features for EAGLE-3) or
+   ``fast`` (n-gram lookup). A miss in one row never redrafts the others. The reply goes out first.
+2. ``build`` (while the target verifies that reply): one forward over the uncached committed tokens and the
+   proposal's nodes gives the draft distribution after every node u. Outcome "the accepted path ends at u"
+   gets the top-F_u tokens there as bonus candidates, excluding u's children (an equal bonus would have been an
+   acceptance). Every branch ``(path to u, b)`` then drafts its next proposal, all branches of all rows together
+   in tree-masked forwards: K forwards for chains, 1 + (depth - 1) for dynamic trees, whatever the fan-out.
 
-Every proposal, cached or backup, carries the q it was sampled from (None for greedy rows and for n-gram
-proposals, which are point masses), so the verifier's ratio test keeps the output law the target's at any
-temperature, Saguaro scaling and fan-out.
+Fan-out: chains use F_0..F_K by depth (uniform or geometric, :mod:`ssd_eagle.ssd.fanout`); trees spread the budget
+B over nodes in proportion to ``(P(reach u) P(stop at u))^(1/(1+r))`` under the draft's own probabilities, which
+is the geometric rule written per node (for a chain it reproduces F_k exactly).
+
+Every proposal, cached or backup, carries the q it was sampled from (None for greedy rows, trees and n-gram
+proposals, which are deterministic), so the verifier's test keeps the output law the target's at any temperature,
+Saguaro scaling and fan-out.
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -27,9 +33,11 @@ import torch
 
 from ssd_eagle.drafters.base import SaguaroSampling, sample_draft_tokens
 from ssd_eagle.drafters.ngram import lookup_continuation
+from ssd_eagle.drafters.tree import TreeSettings, grow_trees
 from ssd_eagle.kv_cache import ForwardBatch
 from ssd_eagle.sampling_params import SamplingParams
 from ssd_eagle.ssd.backends import DraftBackend
+from ssd_eagle.ssd.fanout import largest_remainder
 
 
 @dataclass
@@ -40,8 +48,9 @@ class SpecRequest:
         slot: the sequence's slot.
         num_accepted: k of the verifier's last round, or -1 for the first round after ``add`` (no lookup).
         bonus: the bonus token of that round (ignored when ``num_accepted == -1``).
-        budget: most tokens to propose (0..K).
+        budget: most tokens the proposal may emit (chain length, or tree depth).
         aux: float [k + 1, 3 * H_target], aux states of the verified inputs now committed (EAGLE-3), else None.
+        accepted: the k accepted tokens (needed for trees; for chains they are the proposal's first k).
     """
 
     slot: int
@@ -49,24 +58,45 @@ class SpecRequest:
     bonus: int
     budget: int
     aux: torch.Tensor | None = None
+    accepted: list[int] | None = None
 
 
 @dataclass
 class SpecReply:
-    """A proposal for one row: tokens, the q they were sampled from (None: point masses), and whether the
-    speculation cache answered (None when there was no lookup)."""
+    """A proposal for one row: tokens (and tree parents), the q they were sampled from (None: deterministic), and
+    whether the speculation cache answered (None when there was no lookup)."""
 
     tokens: list[int]
     q: torch.Tensor | None = None
     hit: bool | None = None
     lookup_k: int | None = None
+    parents: list[int] | None = None
 
 
 @dataclass
 class _Draft:
     tokens: list[int]
-    q: torch.Tensor | None  # [m, V] or None
-    hidden: torch.Tensor | None  # EAGLE-3: [m, H], hidden[j] = the output whose logits gave tokens[j]
+    q: torch.Tensor | None = None  # [m, V] (chains only)
+    hidden: torch.Tensor | None = None  # EAGLE-3: [m, H], the draft's output at each node's parent
+    parents: list[int] | None = None  # None: a chain
+
+    def parent_list(self) -> list[int]:
+        return self.parents if self.parents is not None else list(range(len(self.tokens)))
+
+    def cut(self, budget: int) -> _Draft:
+        """At most ``budget`` tokens of a chain; a tree keeps the nodes at depth <= budget."""
+        if self.parents is None:
+            return _Draft(self.tokens[:budget], None if self.q is None else self.q[:budget],
+                          None if self.hidden is None else self.hidden[:budget])
+        depth, keep, new_id = [0], [], {0: 0}
+        for i, p in enumerate(self.parents, start=1):
+            depth.append(depth[p] + 1)
+            if depth[i] <= budget and p in new_id:
+                new_id[i] = len(keep) + 1
+                keep.append(i)
+        return _Draft([self.tokens[i - 1] for i in keep], None,
+                      None if self.hidden is None else self.hidden[[i - 1 for i in keep]],
+                      [new_id[self.parents[i - 1]] for i in keep])
 
 
 @dataclass
@@ -79,20 +109,21 @@ class _Seq:
     pending: torch.Tensor | None = None  # EAGLE-3 features of token positions num_cached .. len(token_ids) - 1
     proposal: _Draft | None = None
     path_base: int = 0  # len(token_ids) when the proposal was made
-    cache: dict[tuple[int, int], _Draft] = field(default_factory=dict)
-    candidates: list[list[int]] = field(default_factory=list)  # per k, best first (bonus-rank statistics)
+    cache: dict[tuple[tuple[int, ...], int], _Draft] = field(default_factory=dict)
+    candidates: dict[tuple[int, ...], list[int]] = field(default_factory=dict)  # per accepted path, best first
 
 
 @dataclass
 class SpeculatorStats:
-    """What the speculator measured: hits/lookups per k and the rank of every true bonus among its candidates
-    at that position (-1: not among them), the input of the fan-out fitter."""
+    """What the speculator measured: lookups, hits, builds, the rank of every true bonus among the candidates
+    at its node (-1: not among them; the fan-out fitter's input), and the time spent building."""
 
     lookups: int = 0
     hits: int = 0
     bonus_ranks: list[int] = field(default_factory=list)
     build_time: float = 0.0
     builds: int = 0
+    backup_forwards: int = 0  # draft forwards run while the verifier waited (misses)
 
 
 class Speculator:
@@ -100,12 +131,14 @@ class Speculator:
 
     Args:
         backend: the draft (:mod:`ssd_eagle.ssd.backends`).
-        num_speculative_tokens: K.
-        fanout: F_0..F_K used after a hit (and after the first round).
+        num_speculative_tokens: K (chain length, or the depth cap of trees).
+        fanout: F_0..F_K used after a hit (and after the first round); for trees its sum is the budget B.
         fanout_miss: F_0..F_K used after a miss (default: ``fanout``).
         backup: ``neural``, ``fast`` or ``auto`` (fast from ``fast_backup_batch`` rows up, as the paper suggests).
         saguaro: Saguaro sampling (C and the fan-out it scales with); None = plain sampling.
         prompt_lookup: (min_n, max_n) of the fast backup.
+        tree: propose dynamic trees of this shape instead of chains.
+        power: r of the hit-rate power law, for the tree fan-out.
 
     Raises:
         ValueError: fan-out lists of the wrong length or an unknown backup.
@@ -113,7 +146,8 @@ class Speculator:
 
     def __init__(self, backend: DraftBackend, num_speculative_tokens: int, fanout: list[int],
                  fanout_miss: list[int] | None = None, backup: str = "neural", fast_backup_batch: int = 8,
-                 saguaro: SaguaroSampling | None = None, prompt_lookup: tuple[int, int] = (1, 4)):
+                 saguaro: SaguaroSampling | None = None, prompt_lookup: tuple[int, int] = (1, 4),
+                 tree: TreeSettings | None = None, power: float = 1.0):
         K = num_speculative_tokens
         for name, f in (("fanout", fanout), ("fanout_miss", fanout_miss)):
             if f is not None and len(f) != K + 1:
@@ -128,6 +162,8 @@ class Speculator:
         self.fast_backup_batch = fast_backup_batch
         self.saguaro = saguaro
         self.prompt_lookup = prompt_lookup
+        self.tree = tree
+        self.power = power
         self.seqs: dict[int, _Seq] = {}
         self.stats = SpeculatorStats()
         self._to_build: list[tuple[_Seq, bool]] = []
@@ -137,8 +173,7 @@ class Speculator:
             aux: torch.Tensor | None = None) -> None:
         """Start a sequence: ``token_ids`` = prompt + first sampled token; ``aux`` = the target's aux states of the
         prompt (EAGLE-3)."""
-        device = self.backend.device
-        seq = _Seq(slot, list(token_ids), params, torch.Generator(device).manual_seed(seed))
+        seq = _Seq(slot, list(token_ids), params, torch.Generator(self.backend.device).manual_seed(seed))
         seq.pending = self.backend.prefill(slot, seq.token_ids, aux)
         seq.num_cached = len(token_ids) - 1
         self.seqs[slot] = seq
@@ -156,226 +191,343 @@ class Speculator:
         self._to_build = []
         for i, req in enumerate(requests):
             seq = self.seqs[req.slot]
-            hit = None
-            if req.num_accepted >= 0:
-                hit = self._commit(seq, req)
-            if hit is not None and hit:
-                entry = seq.cache[(req.num_accepted, req.bonus)]
-                m = min(req.budget, len(entry.tokens))
-                draft = _Draft(entry.tokens[:m], None if entry.q is None else entry.q[:m],
-                               None if entry.hidden is None else entry.hidden[:m])
-                replies[i] = self._reply(seq, draft, hit=True, lookup_k=req.num_accepted)
+            hit = self._commit(seq, req) if req.num_accepted >= 0 else None
+            lookup_k = req.num_accepted if hit is not None else None
+            if hit:
+                replies[i] = self._reply(seq, seq.cache[self._key(seq, req)].cut(req.budget), True, lookup_k)
             else:
                 misses.append(i)
-                replies[i] = SpecReply([], hit=hit, lookup_k=req.num_accepted if hit is not None else None)
+                replies[i] = SpecReply([], hit=hit, lookup_k=lookup_k)
             seq.cache = {}
-            self._to_build.append((seq, hit is not None and not hit))
+            self._to_build.append((seq, hit is False))
         if misses:
             fast = self.backup == "fast" or (self.backup == "auto" and len(requests) >= self.fast_backup_batch)
             rows = [self.seqs[requests[i].slot] for i in misses]
             budgets = [requests[i].budget for i in misses]
             drafts = self._fast_backup(rows, budgets) if fast else self._neural_backup(rows, budgets)
             for i, seq, draft in zip(misses, rows, drafts):
-                replies[i] = self._reply(seq, draft, hit=replies[i].hit, lookup_k=replies[i].lookup_k)
+                replies[i] = self._reply(seq, draft, replies[i].hit, replies[i].lookup_k)
         return replies
+
+    def _key(self, seq: _Seq, req: SpecRequest) -> tuple[tuple[int, ...], int]:
+        accepted = req.accepted if req.accepted is not None else seq.proposal.tokens[: req.num_accepted]
+        return tuple(accepted), req.bonus
 
     def _commit(self, seq: _Seq, req: SpecRequest) -> bool:
         """Apply the verifier's outcome; return whether the speculation cache holds it."""
-        k, bonus = req.num_accepted, req.bonus
+        path, bonus = self._key(seq, req)
         proposal = seq.proposal
-        accepted = proposal.tokens[:k] if proposal is not None else []
-        seq.token_ids.extend(accepted + [bonus])
+        seq.token_ids.extend(list(path) + [bonus])
         if self.backend.needs_aux:
             new = self.backend.fuse(req.aux)
             seq.pending = new if seq.pending is None else torch.cat([seq.pending, new])
         elif proposal is not None:
-            seq.num_cached = seq.path_base + k
-        if k < len(seq.candidates):
-            cands = seq.candidates[k]
+            # the accepted path is cached where it lies only for a chain (trees are fed again)
+            seq.num_cached = seq.path_base + (len(path) if proposal.parents is None else 0)
+        cands = seq.candidates.get(path)
+        if cands is not None:
             self.stats.bonus_ranks.append(cands.index(bonus) if bonus in cands else -1)
         self.stats.lookups += 1
-        hit = (k, bonus) in seq.cache
+        hit = (path, bonus) in seq.cache
         self.stats.hits += hit
         return hit
 
     def _reply(self, seq: _Seq, draft: _Draft, hit: bool | None, lookup_k: int | None) -> SpecReply:
         seq.proposal = draft
         seq.path_base = len(seq.token_ids)
-        return SpecReply(list(draft.tokens), draft.q, hit, lookup_k)
+        return SpecReply(list(draft.tokens), draft.q, hit, lookup_k, draft.parents)
 
     # backups
     def _fast_backup(self, rows: list[_Seq], budgets: list[int]) -> list[_Draft]:
         min_n, max_n = self.prompt_lookup
-        return [_Draft(lookup_continuation(np.asarray(s.token_ids, dtype=np.int64), b, min_n, max_n), None, None)
+        return [_Draft(lookup_continuation(np.asarray(s.token_ids, dtype=np.int64), b, min_n, max_n))
                 for s, b in zip(rows, budgets)]
 
     def _neural_backup(self, rows: list[_Seq], budgets: list[int]) -> list[_Draft]:
-        """Draft up to ``budgets[i]`` tokens from the committed text: one forward over the uncached tokens, then
-        one per further token. Writes only past ``num_cached`` (the build step rewrites that region)."""
-        drafts = [_Draft([], None, None) for _ in rows]
+        """Draft from the committed text now: one forward over the uncached tokens (fresh target features for
+        EAGLE-3), then a chain (one forward per token) or a dynamic tree. Writes only past the committed cache."""
+        drafts = [_Draft([]) for _ in rows]
         active = [i for i, b in enumerate(budgets) if b > 0]
         if not active:
             return drafts
-        b = self.backend
-        chunks = [rows[i].token_ids[rows[i].num_cached:] for i in active]
-        feats = [rows[i].pending for i in active] if b.needs_aux else None
-        logits, hidden = self._run([rows[i] for i in active], chunks, [rows[i].num_cached for i in active], feats,
-                                   last_only=True)
-        qs: dict[int, list[torch.Tensor]] = {i: [] for i in active}
-        hs: dict[int, list[torch.Tensor]] = {i: [] for i in active}
-        for position in range(max(budgets[i] for i in active)):
-            tokens, q = sample_draft_tokens(logits, [rows[i] for i in active], position, self.saguaro)
-            for j, i in enumerate(active):
-                drafts[i].tokens.append(int(tokens[j]))
+        seqs = [rows[i] for i in active]
+        chunks = [s.token_ids[s.num_cached:] for s in seqs]
+        feats = [s.pending for s in seqs] if self.backend.needs_aux else None
+        logits, hidden = self._run(seqs, chunks, [s.num_cached for s in seqs], feats, last_only=True)
+        self.stats.backup_forwards += 1
+        if self.tree is not None:
+            trees = self._grow(seqs, logits, hidden, [budgets[i] for i in active], after_committed=True)
+            for i, tree in zip(active, trees):
+                drafts[i] = tree
+            return drafts
+        chains = self._chains(seqs, logits, hidden, [budgets[i] for i in active],
+                              lambda idx, toks, starts, f: self._run([seqs[j] for j in idx], [[t] for t in toks],
+                                                                     starts, f, last_only=True))
+        for i, chain in zip(active, chains):
+            drafts[i] = chain
+        return drafts
+
+    def _chains(self, seqs, logits, hidden, budgets, step) -> list[_Draft]:
+        """Sample chains of ``budgets[r]`` tokens from the draft, one ``step`` (forward) per further token."""
+        out = [_Draft([]) for _ in seqs]
+        qs: list[list[torch.Tensor]] = [[] for _ in seqs]
+        hs: list[list[torch.Tensor]] = [[] for _ in seqs]
+        active = list(range(len(seqs)))
+        for position in range(max(budgets)):
+            tokens, q = sample_draft_tokens(logits, [seqs[r] for r in active], position, self.saguaro)
+            for j, r in enumerate(active):
+                out[r].tokens.append(int(tokens[j]))
                 if q[j] is not None:
-                    qs[i].append(q[j])
+                    qs[r].append(q[j])
                 if hidden is not None:
-                    hs[i].append(hidden[j])
-            keep = [j for j, i in enumerate(active) if len(drafts[i].tokens) < budgets[i]]
+                    hs[r].append(hidden[j])
+            keep = [j for j, r in enumerate(active) if len(out[r].tokens) < budgets[r]]
             if not keep:
                 break
             active = [active[j] for j in keep]
-            starts = [len(rows[i].token_ids) - 1 + len(drafts[i].tokens) for i in active]
+            starts = [len(seqs[r].token_ids) - 1 + len(out[r].tokens) for r in active]
             feats = [hidden[j: j + 1] for j in keep] if hidden is not None else None
-            logits, hidden = self._run([rows[i] for i in active], [[drafts[i].tokens[-1]] for i in active], starts,
-                                       feats, last_only=True)
-        for i, d in enumerate(drafts):
-            d.q = torch.stack(qs[i]) if qs.get(i) else None
-            d.hidden = torch.stack(hs[i]) if hs.get(i) else None
-        return drafts
+            logits, hidden = step(active, [out[r].tokens[-1] for r in active], starts, feats)
+            self.stats.backup_forwards += 1
+        for r, d in enumerate(out):
+            d.q = torch.stack(qs[r]) if qs[r] else None
+            d.hidden = torch.stack(hs[r]) if hs[r] else None
+        return out
+
+    def _grow(self, seqs: list[_Seq], logits, hidden, budgets: list[int], after_committed: bool) -> list[_Draft]:
+        """Dynamic trees from the committed text (rooted at the last committed token)."""
+        b = self.backend
+        n = torch.tensor([len(s.token_ids) for s in seqs])
+        kv_committed = n - b.offset  # cache positions of the committed text
+        base = torch.arange(int(kv_committed.max()))[None, :] < kv_committed[:, None]
+        slots = [s.slot for s in seqs]
+
+        def step(tokens, feats, positions, write, visible):
+            self.stats.backup_forwards += 1
+            return self._tree_step(slots, tokens, feats, positions, write, visible)
+
+        trees = grow_trees(step, logits, hidden, base, kv_committed.tolist(), (n - 1 - b.offset).tolist(),
+                           self.tree, budgets)
+        return [_Draft(t.tokens, None, torch.stack(t.features) if t.features else None, t.parents) for t in trees]
+
+    def _tree_step(self, slots, tokens, feats, positions, write, visible):
+        b = self.backend
+        batch = ForwardBatch.build(tokens, positions, write, slots, visible, b.dtype, b.device,
+                                   [tokens.shape[1]] * len(slots))
+        return b.forward(batch, feats)
 
     def _run(self, rows: list[_Seq], tokens: list[list[int]], starts: list[int], features: list | None,
              last_only: bool):
         """Causal forward of ``tokens[b]`` at token positions ``starts[b]..``; returns logits (and outputs) at
         every position, or at each row's last position when ``last_only``."""
         b = self.backend
-        kv_starts = [s - b.offset for s in starts]
-        batch = ForwardBatch.causal(tokens, [r.slot for r in rows], kv_starts, b.dtype, b.device)
-        feats = None
-        if b.needs_aux:
-            n = batch.input_ids.shape[1]
-            feats = torch.zeros(len(rows), n, b.hidden_size, dtype=b.dtype, device=b.device)
-            for row, f in enumerate(features):
-                feats[row, : f.shape[0]] = f
-        logits, hidden = b.forward(batch, feats)
+        batch = ForwardBatch.causal(tokens, [r.slot for r in rows], [s - b.offset for s in starts], b.dtype,
+                                    b.device)
+        logits, hidden = b.forward(batch, self._pad_features(features, batch.input_ids.shape[1]))
         if not last_only:
             return logits, hidden
         last = torch.tensor([len(t) - 1 for t in tokens], device=logits.device)
         rows_idx = torch.arange(len(rows), device=logits.device)
         return logits[rows_idx, last], (hidden[rows_idx, last] if hidden is not None else None)
 
+    def _pad_features(self, features: list | None, n: int) -> torch.Tensor | None:
+        b = self.backend
+        if not b.needs_aux:
+            return None
+        out = torch.zeros(len(features), n, b.hidden_size, dtype=b.dtype, device=b.device)
+        for row, f in enumerate(features):
+            out[row, : f.shape[0]] = f
+        return out
+
     # building the speculation cache
     @torch.inference_mode()
     def build(self) -> None:
         """Pre-draft the next proposal for every predicted outcome of the rows of the last :meth:`propose`."""
-        import time
-
         start = time.perf_counter()
-        rows = [(seq, missed) for seq, missed in self._to_build if seq.slot in self.seqs and seq.proposal is not None]
+        rows = [(s, missed) for s, missed in self._to_build if s.slot in self.seqs and s.proposal is not None]
         self._to_build = []
         if not rows:
             return
         seqs = [s for s, _ in rows]
-        path_logits, path_hidden = self._path_forward(seqs)
-        branches = []  # per row: list of (k, bonus)
+        node_logits, node_hidden, node_kv = self._proposal_forward(seqs)
+        branches: list[list[dict]] = []
         for r, (seq, missed) in enumerate(rows):
-            m = len(seq.proposal.tokens)
-            fan = self.fanout_miss if missed else self.fanout
-            seq.candidates = []
-            row_branches = []
-            for k in range(m + 1):
-                f = fan[k] if k < m else fan[self.K]
-                order = path_logits[r][k].topk(min(f + 1, path_logits[r].shape[-1])).indices.tolist()
-                if k < m:
-                    order = [t for t in order if t != seq.proposal.tokens[k]]
-                cands = order[:f]
-                seq.candidates.append(cands)
-                row_branches.extend((k, t) for t in cands)
-            branches.append(row_branches)
-        self._draft_branches(seqs, branches, path_hidden)
+            branches.append(self._outcomes(seq, node_logits[r], node_kv[r], missed,
+                                           node_hidden[r] if node_hidden is not None else None))
+        if any(branches):
+            if self.tree is not None:
+                self._draft_branch_trees(seqs, branches)
+            else:
+                self._draft_branch_chains(seqs, branches)
         self.stats.build_time += time.perf_counter() - start
         self.stats.builds += 1
 
-    def _path_forward(self, seqs: list[_Seq]):
-        """One forward over ``[uncached committed tokens, s_1..s_m]`` per row: the draft distributions after the
-        last committed token and after each ``s_j`` (m + 1 per row, as lists of [m+1, V]) and, for EAGLE-3, the
-        outputs at those positions (the parents of the branches)."""
+    def _proposal_forward(self, seqs: list[_Seq]):
+        """One tree-masked forward per row over the uncached committed tokens (a chain ending at the root, the
+        last committed token) and the proposal's nodes. Returns, per row, the draft logits [1 + T, V] and outputs
+        after the root and after each node, and each of those positions in the cache."""
         b = self.backend
-        tokens, starts, feats = [], [], []
+        roots, nodes, parents, starts, feats = [], [], [], [], []
         for seq in seqs:
-            tokens.append(seq.token_ids[seq.num_cached:] + seq.proposal.tokens)
-            starts.append(seq.num_cached)
+            chunk = seq.token_ids[seq.num_cached:]
+            c = len(chunk)
+            roots.append(chunk[0])
+            nodes.append(chunk[1:] + seq.proposal.tokens)
+            parents.append(list(range(c - 1)) + [p + c - 1 for p in seq.proposal.parent_list()])
+            starts.append(seq.num_cached - b.offset)
             if b.needs_aux:
-                hid = seq.proposal.hidden
                 m = len(seq.proposal.tokens)
+                hid = seq.proposal.hidden
                 if hid is None or hid.shape[0] < m:  # an n-gram proposal: no outputs to feed back, reuse the last
                     hid = seq.pending[-1:].expand(m, -1)
                 feats.append(torch.cat([seq.pending, hid[:m]]))
-        logits, hidden = self._run(seqs, tokens, starts, feats if b.needs_aux else None, last_only=False)
-        out_logits, out_hidden = [], []
+        batch = ForwardBatch.tree(roots, nodes, parents, [s.slot for s in seqs], starts, b.dtype, b.device)
+        logits, hidden = b.forward(batch, self._pad_features(feats, batch.input_ids.shape[1]) if b.needs_aux
+                                   else None)
+        out_logits, out_hidden, out_kv = [], [] if hidden is not None else None, []
         for r, seq in enumerate(seqs):
-            m = len(seq.proposal.tokens)
-            first = len(seq.token_ids) - 1 - seq.num_cached  # index of the last committed token in the chunk
-            out_logits.append(logits[r, first: first + m + 1])
-            out_hidden.append(hidden[r, first: first + m + 1] if hidden is not None else None)
-        return out_logits, out_hidden
+            first = len(seq.token_ids) - 1 - seq.num_cached  # the root's index in the chunk
+            idx = torch.arange(first, first + 1 + len(seq.proposal.tokens))
+            out_logits.append(logits[r, idx])
+            if hidden is not None:
+                out_hidden.append(hidden[r, idx])
+            out_kv.append((starts[r] + idx).tolist())
+        return out_logits, out_hidden, out_kv
 
-    def _draft_branches(self, seqs: list[_Seq], branches: list[list[tuple[int, int]]],
-                        path_hidden: list[torch.Tensor | None]) -> None:
-        """Draft K tokens for every branch of every row: K tree-masked forwards over all branches at once."""
+    def _outcomes(self, seq: _Seq, logits: torch.Tensor, kv: list[int], missed: bool,
+                  hidden: torch.Tensor | None) -> list[dict]:
+        """The branches to pre-draft for one row: for every node u (0 = root) the top-F_u tokens after it,
+        excluding u's children, each with the path to u, its cache positions and the draft's output at u."""
+        proposal = seq.proposal
+        parents = proposal.parent_list()
+        T = len(parents)
+        depth, children = [0] * (T + 1), [[] for _ in range(T + 1)]
+        for i, p in enumerate(parents, start=1):
+            depth[i] = depth[p] + 1
+            children[p].append(i)
+        fan = self._node_fanout(proposal, logits, depth, children, missed)
+        branches, paths, anc = [], {0: ()}, {0: [kv[0]]}
+        seq.candidates = {}
+        for u in range(T + 1):
+            if u:
+                p = parents[u - 1]
+                paths[u] = paths[p] + (proposal.tokens[u - 1],)
+                anc[u] = anc[p] + [kv[u]]
+            if fan[u] == 0:
+                continue
+            exclude = {proposal.tokens[c - 1] for c in children[u]}
+            order = logits[u].topk(min(fan[u] + len(exclude), logits.shape[-1])).indices.tolist()
+            cands = [t for t in order if t not in exclude][: fan[u]]
+            seq.candidates[paths[u]] = cands
+            for t in cands:
+                branches.append({"key": (paths[u], t), "token": t, "depth": depth[u], "visible": anc[u],
+                                 "feature": None if hidden is None else hidden[u]})
+        return branches
+
+    def _node_fanout(self, proposal: _Draft, logits, depth, children, missed: bool) -> list[int]:
+        fan = self.fanout_miss if missed else self.fanout
+        if proposal.parents is None:  # a chain: F by depth, the all-accepted outcome gets F_K
+            m = len(proposal.tokens)
+            return [fan[d] if d < m else fan[self.K] for d in depth]
+        # a tree: weights (P(reach u) * P(stop at u))^(1 / (1 + r)) under the draft's own probabilities
+        probs = torch.softmax(logits.float(), dim=-1)
+        reach = [1.0] * len(depth)
+        for u in range(1, len(depth)):
+            parent = proposal.parents[u - 1]
+            reach[u] = reach[parent] * float(probs[parent, proposal.tokens[u - 1]])
+        weights = []
+        for u in range(len(depth)):
+            stop = max(1.0 - sum(float(probs[u, proposal.tokens[c - 1]]) for c in children[u]), 1e-6)
+            weights.append((reach[u] * stop) ** (1.0 / (1.0 + self.power)))
+        return largest_remainder(weights, sum(fan))
+
+    def _branch_batch(self, seqs: list[_Seq], branches: list[list[dict]]):
+        """Per-branch tensors: tokens [B, F], rotary positions of the branch roots, base visibility, features."""
         b = self.backend
         B, F = len(seqs), max(len(br) for br in branches)
-        if F == 0:
-            return
-        device = b.device
-        N = torch.tensor([len(s.token_ids) for s in seqs])
-        m = torch.tensor([len(s.proposal.tokens) for s in seqs])
-        k = torch.zeros(B, F, dtype=torch.long)
         tokens = torch.zeros(B, F, dtype=torch.long)
-        real = torch.zeros(B, F, dtype=torch.bool)
-        for r, br in enumerate(branches):
-            if br:
-                k[r, : len(br)] = torch.tensor([kk for kk, _ in br])
-                tokens[r, : len(br)] = torch.tensor([t for _, t in br])
-                real[r, : len(br)] = True
-        tree_start = (N + m - b.offset)[:, None]  # first cache position past the path
-        prefix_len = N[:, None] + k - b.offset  # path cache positions each branch sees
-        feats = None
-        if b.needs_aux:
-            feats = torch.zeros(B, F, b.hidden_size, dtype=b.dtype, device=device)
-            for r, br in enumerate(branches):
-                for i, (kk, _) in enumerate(br):
-                    feats[r, i] = path_hidden[r][kk]
-        gen_seqs = [seqs[r] for r in range(B) for _ in range(F)]
-        out_tokens = torch.zeros(B, F, self.K, dtype=torch.long)
-        out_q: list[list[torch.Tensor]] = [[] for _ in range(B * F)]
-        out_h: list[list[torch.Tensor]] = [[] for _ in range(B * F)]
+        root_pos = torch.zeros(B, F, dtype=torch.long)
+        width = max(max(br["visible"]) for row in branches for br in row) + 1
+        base = torch.zeros(B, F, width, dtype=torch.bool)
+        feats = torch.zeros(B, F, b.hidden_size, dtype=b.dtype, device=b.device) if b.needs_aux else None
+        for r, (seq, row) in enumerate(zip(seqs, branches)):
+            committed = len(seq.token_ids) - 1 - b.offset  # cache positions before the root's
+            base[r, :, :committed] = True
+            for i, br in enumerate(row):
+                tokens[r, i] = br["token"]
+                root_pos[r, i] = len(seq.token_ids) + br["depth"] - b.offset
+                base[r, i, br["visible"]] = True
+                if feats is not None:
+                    feats[r, i] = br["feature"]
+        region = torch.tensor([kv_end(seq, b.offset) for seq in seqs])[:, None]
+        return tokens, root_pos, base, feats, region, F
+
+    def _draft_branch_chains(self, seqs: list[_Seq], branches: list[list[dict]]) -> None:
+        """K tokens for every branch: K tree-masked forwards over all branches of all rows at once."""
+        b = self.backend
+        tokens, positions, base, feats, region, F = self._branch_batch(seqs, branches)
+        B = len(seqs)
+        slots = [s.slot for s in seqs]
         branch_idx = torch.arange(F)[None, :]
+        gen_seqs = [seqs[r] for r in range(B) for _ in range(F)]
+        out_tokens, out_q, out_h = [], [], []
         for t in range(self.K):
-            write = tree_start + t * F + branch_idx  # [B, F]
-            kv_len = int(write.max()) + 1
+            write = region + t * F + branch_idx  # [B, F]
+            kv_len = max(int(write.max()) + 1, base.shape[-1])
             cols = torch.arange(kv_len)[None, None, :]
-            own = (cols >= tree_start[..., None]) & ((cols - tree_start[..., None]) % F == branch_idx[..., None]) & \
+            own = (cols >= region[..., None]) & ((cols - region[..., None]) % F == branch_idx[..., None]) & \
                 (cols <= write[..., None])
-            visible = (cols < prefix_len[..., None]) | own
-            positions = N[:, None] + k + t - b.offset
-            batch = ForwardBatch.build(tokens, positions, write, [s.slot for s in seqs], visible, b.dtype, device,
-                                       [len(br) for br in branches])
-            logits, hidden = b.forward(batch, feats)
-            flat = logits.reshape(B * F, -1)
-            nxt, qs = sample_draft_tokens(flat, gen_seqs, t, self.saguaro)
+            visible = own.clone()
+            visible[..., : base.shape[-1]] |= base
+            logits, hidden = self._tree_step(slots, tokens, feats, positions + t, write, visible)
+            nxt, qs = sample_draft_tokens(logits.reshape(B * F, -1), gen_seqs, t, self.saguaro)
             tokens = nxt.view(B, F).cpu()
-            out_tokens[:, :, t] = tokens
-            for i, q in enumerate(qs):
-                if q is not None:
-                    out_q[i].append(q)
+            out_tokens.append(tokens)
+            out_q.append(qs)
             if hidden is not None:
-                for i in range(B * F):
-                    out_h[i].append(hidden.reshape(B * F, -1)[i])
+                out_h.append(feats)  # the output each token was sampled from (its parent's)
                 feats = hidden
-        for r, (seq, br) in enumerate(zip(seqs, branches)):
-            for i, key in enumerate(br):
+        toks = torch.stack(out_tokens, dim=-1)  # [B, F, K]
+        hids = torch.stack(out_h, dim=2) if out_h else None  # [B, F, K, H]
+        for r, (seq, row) in enumerate(zip(seqs, branches)):
+            for i, br in enumerate(row):
                 flat = r * F + i
-                seq.cache[key] = _Draft(out_tokens[r, i].tolist(),
-                                        torch.stack(out_q[flat]) if out_q[flat] else None,
-                                        torch.stack(out_h[flat]) if out_h[flat] else None)
+                qs = [out_q[t][flat] for t in range(self.K)]
+                seq.cache[br["key"]] = _Draft(toks[r, i].tolist(), torch.stack(qs) if qs[0] is not None else None,
+                                              hids[r, i] if hids is not None else None)
+
+    def _draft_branch_trees(self, seqs: list[_Seq], branches: list[list[dict]]) -> None:
+        """A dynamic tree for every branch: feed the branch roots (one forward), then grow all trees together."""
+        b = self.backend
+        tokens, positions, base, feats, region, F = self._branch_batch(seqs, branches)
+        B = len(seqs)
+        slots = [s.slot for s in seqs]
+        write = region + torch.arange(F)[None, :]
+        kv_len = max(int(write.max()) + 1, base.shape[-1])
+        visible = torch.zeros(B, F, kv_len, dtype=torch.bool)
+        visible[..., : base.shape[-1]] = base
+        visible.scatter_(2, write[..., None], True)
+        logits, hidden = self._tree_step(slots, tokens, feats, positions, write, visible)
+        # one grow_trees row per branch: its base sees the branch root too; its region follows all roots
+        real = [(r, i) for r in range(B) for i in range(len(branches[r]))]
+        per_tree = (self.tree.depth - 1) * self.tree.topk
+        row_base = torch.stack([visible[r, i] for r, i in real])
+        starts = [int(region[r]) + F + i * per_tree for r, i in real]
+        row_slots = [slots[r] for r, _ in real]
+
+        def step(tok, f, pos, w, vis):
+            return self._tree_step(row_slots, tok, f, pos, w, vis)
+
+        trees = grow_trees(step, torch.stack([logits[r, i] for r, i in real]),
+                           torch.stack([hidden[r, i] for r, i in real]) if hidden is not None else None,
+                           row_base, starts, [int(positions[r, i]) for r, i in real], self.tree,
+                           [self.K] * len(real))
+        for (r, i), tree in zip(real, trees):
+            br = branches[r][i]
+            seqs[r].cache[br["key"]] = _Draft(tree.tokens, None,
+                                              torch.stack(tree.features) if tree.features else None, tree.parents)
+
+
+def kv_end(seq: _Seq, offset: int) -> int:
+    """First cache position past the committed text and the proposal (where branches are written)."""
+    return len(seq.token_ids) - 1 - offset + 1 + len(seq.proposal.tokens)

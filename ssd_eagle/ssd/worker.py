@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -40,7 +40,10 @@ class SpeculatorSettings:
     dist_backend: str = "gloo"
     float_dtype: torch.dtype = torch.float32
     vocab_size: int = 0
-    extra: dict = field(default_factory=dict)
+    tree_budget: int = 0
+    tree_depth: int = 5
+    tree_topk: int = 4
+    fanout_power: float = 1.0
 
 
 def build_speculator(settings: SpeculatorSettings, draft):
@@ -55,9 +58,16 @@ def build_speculator(settings: SpeculatorSettings, draft):
         backend = DraftLMBackend(draft, settings.num_slots, settings.max_len)
     else:
         raise ValueError(f"SSD needs a neural draft ('draft_model' or 'eagle3'), got {settings.kind!r}")
+    from ssd_eagle.drafters.tree import TreeSettings
+
     saguaro = SaguaroSampling(settings.saguaro_c, tuple(settings.fanout)) if settings.saguaro_c < 1.0 else None
+    tree = None
+    if settings.tree_budget:
+        tree = TreeSettings(settings.tree_budget, min(settings.tree_depth, settings.num_speculative_tokens),
+                            settings.tree_topk)
     return Speculator(backend, settings.num_speculative_tokens, settings.fanout, settings.fanout_miss,
-                      settings.backup, settings.fast_backup_batch, saguaro, settings.prompt_lookup)
+                      settings.backup, settings.fast_backup_batch, saguaro, settings.prompt_lookup, tree,
+                      settings.fanout_power)
 
 
 def worker_main(settings: SpeculatorSettings, draft) -> None:
@@ -84,7 +94,6 @@ def serve(speculator, channel: t.Channel, settings: SpeculatorSettings, interval
     """The request loop (also handy to drive from a test)."""
     from ssd_eagle.ssd.speculator import SpecRequest
 
-    K = settings.num_speculative_tokens
     aux_width = None
     while True:
         command, ints, floats, _ = channel.recv()
@@ -109,19 +118,22 @@ def serve(speculator, channel: t.Channel, settings: SpeculatorSettings, interval
         elif command == t.PROPOSE:
             rows = int(ints[0])
             fields = ints[1: 1 + 4 * rows].view(rows, 4).tolist()
-            requests, offset = [], 0
+            accepted_ids = ints[1 + 4 * rows:].tolist()
+            requests, offset, cursor = [], 0, 0
             for slot, k, bonus, budget in fields:
                 aux = None
                 if aux_width is not None and k >= 0:
                     aux = floats[offset: offset + (k + 1) * aux_width].clone().view(k + 1, aux_width)
                     offset += (k + 1) * aux_width
-                requests.append(SpecRequest(slot, k, bonus, budget, aux))
+                accepted = accepted_ids[cursor: cursor + max(k, 0)]
+                cursor += max(k, 0)
+                requests.append(SpecRequest(slot, k, bonus, budget, aux, accepted))
             try:
                 replies = speculator.propose(requests)
             except Exception:  # noqa: BLE001 - the verifier must hear back, whatever broke
                 channel.send(t.ERROR)
                 raise
-            channel.send(t.REPLY, *encode_replies(replies, K, settings.vocab_size))
+            channel.send(t.REPLY, *encode_replies(replies))
             start = time.time()
             try:
                 speculator.build()
@@ -133,32 +145,37 @@ def serve(speculator, channel: t.Channel, settings: SpeculatorSettings, interval
             raise RuntimeError(f"unknown command {command}")
 
 
-def encode_replies(replies, K: int, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-    ints = torch.zeros(1 + len(replies) * (4 + K), dtype=torch.long)
-    ints[0] = len(replies)
-    qs = []
-    for i, r in enumerate(replies):
-        base = 1 + i * (4 + K)
-        ints[base: base + 4] = torch.tensor([-1 if r.hit is None else int(r.hit),
-                                             -1 if r.lookup_k is None else r.lookup_k, len(r.tokens),
-                                             int(r.q is not None)])
-        if r.tokens:
-            ints[base + 4: base + 4 + len(r.tokens)] = torch.tensor(r.tokens)
+def encode_replies(replies) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """REPLY payloads: ints ``[rows, then per row: hit, lookup_k, m, has_q, is_tree, m tokens, (m parents)]``,
+    floats: the q of every row that has one, concatenated."""
+    ints, qs = [len(replies)], []
+    for r in replies:
+        is_tree = r.parents is not None
+        ints += [-1 if r.hit is None else int(r.hit), -1 if r.lookup_k is None else r.lookup_k, len(r.tokens),
+                 int(r.q is not None), int(is_tree), *r.tokens, *(r.parents if is_tree else [])]
         if r.q is not None:
             qs.append(r.q.reshape(-1).cpu())
-    return ints, (torch.cat(qs) if qs else None)
+    return torch.tensor(ints, dtype=torch.long), (torch.cat(qs) if qs else None)
 
 
-def decode_replies(ints: torch.Tensor, floats: torch.Tensor, K: int, vocab_size: int):
+def decode_replies(ints: torch.Tensor, floats: torch.Tensor, vocab_size: int):
     from ssd_eagle.ssd.speculator import SpecReply
 
-    rows = int(ints[0])
-    table = ints[1: 1 + rows * (4 + K)].view(rows, 4 + K).tolist()
-    replies, offset = [], 0
-    for hit, lookup_k, m, has_q, *tokens in table:
+    values = ints.tolist()
+    replies, cursor, offset = [], 1, 0
+    for _ in range(values[0]):
+        hit, lookup_k, m, has_q, is_tree = values[cursor: cursor + 5]
+        cursor += 5
+        tokens = values[cursor: cursor + m]
+        cursor += m
+        parents = None
+        if is_tree:
+            parents = values[cursor: cursor + m]
+            cursor += m
         q = None
         if has_q:
             q = floats[offset: offset + m * vocab_size].clone().view(m, vocab_size)
             offset += m * vocab_size
-        replies.append(SpecReply(tokens[:m], q, None if hit < 0 else bool(hit), None if lookup_k < 0 else lookup_k))
+        replies.append(SpecReply(tokens, q, None if hit < 0 else bool(hit), None if lookup_k < 0 else lookup_k,
+                                 parents))
     return replies

@@ -1,0 +1,156 @@
+"""EAGLE-2-style dynamic draft trees (Li et al. 2024): expand by cumulative draft probability, keep the best.
+
+From the root distribution (the draft's prediction after the last committed token) the tree grows one depth per
+draft forward: the ``topk`` frontier nodes with the highest cumulative log-probability are fed to the draft
+together (tree-masked: each sees the committed prefix, its ancestors and itself) and each proposes its ``topk``
+best children. After ``depth`` levels the ``budget`` nodes with the highest cumulative log-probability form the
+proposal (a node's score never exceeds its parent's, so the selection keeps every ancestor). A tree of depth D
+costs D draft forwards whatever its size.
+
+Children are deterministic choices (top-k), never samples from q: the verifier checks them by sample-and-match
+(:func:`ssd_eagle.verify.tree_verify`), which is exact for such proposals.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+
+@dataclass
+class TreeSettings:
+    """Dynamic-tree shape: total nodes (``budget``), levels (``depth``), expansions per level (``topk``)."""
+
+    budget: int = 16
+    depth: int = 5
+    topk: int = 4
+
+    def __post_init__(self) -> None:
+        if self.budget < 1 or self.depth < 1 or self.topk < 1:
+            raise ValueError(f"tree budget, depth and topk must be >= 1, got {self.budget}, {self.depth}, "
+                             f"{self.topk}")
+
+
+@dataclass
+class DraftTree:
+    """A proposal tree: node i (1-based) has token ``tokens[i-1]``, parent ``parents[i-1]`` (0 = root) and
+    cumulative draft log-probability ``scores[i-1]``; parents come before children. ``features[i-1]`` is the
+    draft's output at the node's parent (what an EAGLE-3 head pairs with the node's token), when the draft has
+    outputs."""
+
+    tokens: list[int] = field(default_factory=list)
+    parents: list[int] = field(default_factory=list)
+    scores: list[float] = field(default_factory=list)
+    features: list[torch.Tensor] | None = None
+
+    @property
+    def depth(self) -> int:
+        d = [0]
+        for p in self.parents:
+            d.append(d[p] + 1)
+        return max(d)
+
+
+# step(tokens [B, F], features [B, F, H] | None, positions [B, F], write [B, F], visible [B, F, S])
+#   -> (logits [B, F, V] in the target vocabulary, outputs [B, F, H] | None)
+StepFn = Callable[..., tuple[torch.Tensor, torch.Tensor | None]]
+
+
+def grow_trees(step: StepFn, root_logits: torch.Tensor, root_hidden: torch.Tensor | None,
+               base_visible: torch.Tensor, region_start: list[int], root_position: list[int],
+               settings: TreeSettings, max_depth: list[int]) -> list[DraftTree]:
+    """Grow one dynamic tree per row.
+
+    Args:
+        step: runs one tree-masked draft forward (see ``StepFn``) for all rows.
+        root_logits: [R, V] draft logits after the root (the last committed or predicted token).
+        root_hidden: [R, H] the draft's output at the root (EAGLE-3 pairs it with the depth-1 tokens), or None.
+        base_visible: bool [R, S0], cache positions every node of the row may see (committed prefix, and the
+            path to the root when the root is itself a draft).
+        region_start: per row, first cache position of the tree's own region (``(depth-1) * topk`` positions).
+        root_position: per row, the rotary position of the root; a depth-d node sits at root + d.
+        settings: tree shape; ``max_depth`` caps each row's depth (its token budget).
+
+    Returns:
+        One :class:`DraftTree` per row (empty when ``max_depth`` is 0).
+    """
+    R = root_logits.shape[0]
+    k = settings.topk
+    depth_cap = [min(settings.depth, d) for d in max_depth]
+    # pool entries: (score, token, parent id (0 = root), depth, parent's output or None)
+    pools: list[list[tuple]] = [[] for _ in range(R)]
+    # frontier entries: (node id in the pool, score, cache positions of its fed ancestors)
+    frontier: list[list[tuple[int, float, list[int]]]] = [[] for _ in range(R)]
+    top = torch.log_softmax(root_logits.float(), dim=-1).topk(k, dim=-1)
+    for r in range(R):
+        if depth_cap[r] == 0:
+            continue
+        for s, t in zip(top.values[r].tolist(), top.indices[r].tolist()):
+            pools[r].append((s, t, 0, 1, None if root_hidden is None else root_hidden[r]))
+            frontier[r].append((len(pools[r]), s, []))
+    feats = root_hidden[:, None].expand(R, k, -1) if root_hidden is not None else None
+    region = torch.tensor(region_start)[:, None] + torch.arange(k)[None, :]
+    for d in range(1, settings.depth):
+        rows = [r for r in range(R) if d < depth_cap[r] and frontier[r]]
+        if not rows:
+            break
+        write = region + (d - 1) * k  # [R, k]
+        tokens = torch.zeros(R, k, dtype=torch.long)
+        for r in range(R):
+            for j, (node, _, _) in enumerate(frontier[r]):
+                tokens[r, j] = pools[r][node - 1][1]
+        kv_len = max(int(write.max()) + 1, base_visible.shape[1])
+        visible = torch.zeros(R, k, kv_len, dtype=torch.bool)
+        visible[:, :, : base_visible.shape[1]] = base_visible[:, None, :]
+        for r in range(R):
+            for j in range(k):
+                if j < len(frontier[r]):
+                    visible[r, j, frontier[r][j][2]] = True
+                visible[r, j, write[r, j]] = True
+        positions = torch.tensor(root_position)[:, None].expand(R, k) + d
+        logits, hidden = step(tokens, feats, positions, write, visible)
+        top = torch.log_softmax(logits.float(), dim=-1).topk(k, dim=-1)
+        new_frontier: list[list[tuple[int, float, list[int]]]] = [[] for _ in range(R)]
+        parent_col = torch.zeros(R, k, dtype=torch.long)
+        for r in rows:
+            cands = []
+            for j, (node, score, ancestors) in enumerate(frontier[r]):
+                for s, t in zip(top.values[r, j].tolist(), top.indices[r, j].tolist()):
+                    cands.append((score + s, t, node, j, ancestors + [int(write[r, j])]))
+            cands.sort(key=lambda c: -c[0])
+            base = len(pools[r])
+            for score, t, node, j, _ in cands:
+                pools[r].append((score, t, node, d + 1, None if hidden is None else hidden[r, j]))
+            for i, (score, _, _, j, ancestors) in enumerate(cands[:k]):
+                new_frontier[r].append((base + i + 1, score, ancestors))
+                parent_col[r, i] = j
+        frontier = new_frontier
+        if hidden is not None:
+            feats = hidden.gather(1, parent_col[..., None].expand(-1, -1, hidden.shape[-1]))
+    return [_select(pool, settings.budget) for pool in pools]
+
+
+def _select(pool: list[tuple], budget: int) -> DraftTree:
+    """The ``budget`` best nodes (ancestor-closed), ordered by depth, with parents re-indexed."""
+    order = sorted(range(len(pool)), key=lambda i: (-pool[i][0], pool[i][3], i))[:budget]
+    chosen = set(order)
+    for i in list(order):  # ties can drop an ancestor: add it back
+        parent = pool[i][2]
+        while parent and parent - 1 not in chosen:
+            chosen.add(parent - 1)
+            parent = pool[parent - 1][2]
+    keep = sorted(chosen, key=lambda i: (pool[i][3], -pool[i][0], i))
+    new_id = {old + 1: new + 1 for new, old in enumerate(keep)}
+    tree = DraftTree()
+    features = []
+    for i in keep:
+        score, token, parent, _, feature = pool[i]
+        tree.tokens.append(token)
+        tree.parents.append(new_id.get(parent, 0))
+        tree.scores.append(score)
+        features.append(feature)
+    if features and features[0] is not None:
+        tree.features = features
+    return tree
