@@ -20,8 +20,9 @@ row again (a row whose generated text contains a held-out prompt is dropped and 
 
 Generation runs through the project's engine in AR mode with continuous batching: ``--batch-size`` requests decode
 together, and a slot freed by a finished turn is refilled at once (next turn of the same conversation first, then
-new conversations). Magpie requests share the batch with conversation turns, so the drain at the end of each
-Magpie round is filled with useful work.
+new conversations). Magpie candidates stream through the same batch: each is filtered as soon as it finishes and,
+if kept, queued for its answer at once; candidates are started only while fewer than ``--batch-size``
+conversations wait, so prompts are written about as fast as they are answered.
 
 Sampling: a fraction ``--greedy-fraction`` of the conversations is decoded greedily, the rest at
 ``--temperature`` with a per-conversation seed (turn k uses ``seed + k``); both are derived from ``--seed`` and the
@@ -37,7 +38,11 @@ Output: one JSON line per finished conversation, appended as soon as it finishes
 ``num_tokens[k]`` counts the tokens generated for assistant turn k, including the token that stopped it
 (``<|im_end|>``) when ``finish_reason == "stop"``. Restarting with the same arguments resumes: ids already in the
 output are skipped, a torn last line is cut off, and Magpie prompts are read back from ``<output>.magpie.jsonl``
-(written chunk by chunk). ``<output>.runs.json`` records every invocation (command line, times, tokens).
+(one line per candidate). ``<output>.runs.json`` records every invocation (command line, times, tokens).
+
+``--time-limit MINUTES``, or creating the file ``<output>.stop``, drains the run: nothing new starts (queued
+Magpie requests are cancelled), the requests in flight and the conversations already started are finished and
+written, and the process exits; running the same command again continues (delete the stop file first).
 
 ``--gz`` / ``--manifest`` (after a complete run, or alone with ``--finalize-only``) write a deterministic gzip of
 the rows (sorted by source, then id) and a manifest with counts, settings, command lines, wall time, git commit
@@ -242,8 +247,79 @@ class _Job:
     dropped_turns: int = 0
 
 
+class MagpieStream:
+    """Magpie prompts written one candidate at a time, each filtered as soon as it finishes, logged to a cache.
+
+    A candidate is the target's continuation of the bare user-turn prefix (:func:`train.data.user_turn_prefix`),
+    sampled at ``temperature`` with seed ``random.Random(f"magpie:{seed}:{k}")`` for candidate k. Each finished
+    candidate goes through :func:`train.data.magpie_prompts` (one row, one round), i.e. exactly the library's cut
+    at the end-of-turn token, degenerate / duplicate / held-out filters; a kept prompt becomes conversation
+    ``id_prefix + index`` at once. The cache (``<output>.magpie.jsonl``) has one line per candidate (plus, from
+    older runs, whole chunks of prompts); a restart rebuilds the kept prompts, their order and the counters from it.
+    """
+
+    OUTCOMES = ("unfinished", "degenerate", "duplicate", "heldout")
+
+    def __init__(self, tokenizer, args: argparse.Namespace, cache_path: Path, exclude: list[str]):
+        self.tok, self.args, self.cache_path = tokenizer, args, cache_path
+        self.target = args.num_magpie
+        self.settings = magpie_settings(args)
+        prefix, _ = tdata.user_turn_prefix(tokenizer)
+        self.prefix_ids = list(tokenizer(prefix, add_special_tokens=False)["input_ids"])
+        self.kept: list[str] = []
+        self.stats = collections.Counter()
+        self.next_candidate = 0
+        self._load()
+        self.seen = list(exclude) + list(self.kept)
+        self.in_flight = 0
+
+    def _load(self) -> None:
+        cache = read_magpie_cache(self.cache_path)
+        for settings in cache["settings"]:
+            mine = {k: self.settings[k] for k in MAGPIE_KEYS}
+            theirs = {k: settings.get(k) for k in MAGPIE_KEYS}
+            if mine != theirs:
+                raise SystemExit(f"{self.cache_path} was made with Magpie settings {theirs}, not {mine}; "
+                                 "use another --output or the original settings")
+        self.kept, self.stats, self.next_candidate = cache["kept"], cache["stats"], cache["next_candidate"]
+        if not self.cache_path.exists():
+            with open(self.cache_path, "a") as f:
+                f.write(json.dumps({"settings": self.settings}) + "\n")
+
+    @property
+    def needed(self) -> bool:
+        return len(self.kept) + self.in_flight < self.target
+
+    def new_request(self) -> tuple[list[int], int, int]:
+        k = self.next_candidate
+        self.next_candidate += 1
+        self.in_flight += 1
+        seed = random.Random(f"magpie:{self.args.seed}:{k}").randrange(2**62)
+        return list(self.prefix_ids), k, seed
+
+    def finished(self, k: int, seed: int, token_ids: list[int]) -> str | None:
+        """Filter candidate ``k``; log it; return the kept prompt or None."""
+        self.in_flight -= 1
+        result = tdata.magpie_prompts(self.tok, lambda *_: [list(token_ids)], 1,
+                                      max_tokens=self.args.magpie_max_tokens,
+                                      temperature=self.args.magpie_temperature, batch_size=1, max_rounds=1,
+                                      exclude=self.seen, progress=False)
+        prompt = result.prompts[0] if result.prompts else None
+        outcome = "kept" if prompt is not None else next(
+            (o for o in self.OUTCOMES if getattr(result, f"num_{o}")), "unfinished")
+        self.stats["candidates"] += 1
+        self.stats[outcome] += 1  # "kept" included
+        with open(self.cache_path, "a") as f:
+            f.write(json.dumps({"candidate": k, "seed": seed, "outcome": outcome, "prompt": prompt},
+                               ensure_ascii=False) + "\n")
+        if prompt is not None:
+            self.kept.append(prompt)
+            self.seen.append(prompt)
+        return prompt
+
+
 class Regenerator:
-    """Keeps the engine's ``max_num_seqs`` slots busy with Magpie requests (first) and conversation turns."""
+    """Keeps the engine's ``max_num_seqs`` slots busy with conversation turns and Magpie candidates."""
 
     def __init__(self, llm, args: argparse.Namespace, out_file, runlog: RunLog):
         from ssd_eagle.engine.llm import render_chat
@@ -259,14 +335,16 @@ class Regenerator:
                         if getattr(t, "special", False))
         self.stop_ids = sorted(specials)  # a special token (e.g. a new <|im_start|>) ends the turn too
         self.pending: collections.deque[_Job] = collections.deque()
-        self.priority: collections.deque[tuple[str, list[int], object]] = collections.deque()
-        self.in_flight: dict[str, _Job | None] = {}
-        self.magpie_results: dict[str, list[int]] = {}
+        self.in_flight: dict[str, _Job | tuple[int, int]] = {}  # a job, or (candidate, seed) of a Magpie request
+        self.magpie: MagpieStream | None = None
+        self.done_ids: set[str] = set()
         self._rid = 0
         self.counts = collections.Counter()
         self.start = time.time()
         self.bar: tqdm | None = None
         self._last_log = time.time()
+        self.draining = False
+        self.stop_file = Path(args.output + ".stop")
         self._keep_running_sorted_by_slot()
 
     def _keep_running_sorted_by_slot(self) -> None:
@@ -337,16 +415,51 @@ class Regenerator:
         self.in_flight[rid] = job
         return True
 
+    def _check_stop(self) -> None:
+        if self.draining:
+            return
+        over_time = self.args.time_limit is not None and time.time() - self.start > 60 * self.args.time_limit
+        if over_time or self.stop_file.exists():
+            self.draining = True
+            print(f"[regenerate] {'time limit reached' if over_time else f'{self.stop_file} found'}: draining "
+                  f"(finishing the {len(self.in_flight)} requests in flight and the started conversations)",
+                  flush=True)
+
+    def _next_kind(self) -> str | None:
+        """What the next free slot gets: a started conversation's next turn first; then a Magpie candidate while
+        fewer than ``capacity`` conversations wait (so answers never run dry); then a new conversation."""
+        if self.pending and self.pending[0].turn > 0:  # started conversations sit at the front
+            return "turn"
+        if self.draining:
+            return None
+        need_magpie = self.magpie is not None and self.magpie.needed
+        if need_magpie and len(self.pending) < self.capacity:
+            return "magpie"
+        if self.pending:
+            return "turn"
+        return "magpie" if need_magpie else None
+
+    def _submittable(self) -> bool:
+        return self._next_kind() is not None
+
     def _top_up(self) -> None:
-        while len(self.in_flight) < self.capacity and (self.priority or self.pending):
-            if self.priority:
-                rid, prompt, params = self.priority.popleft()
-                self.engine.add_request(rid, prompt, params)
-                self.in_flight[rid] = None
+        while len(self.in_flight) < self.capacity:
+            kind = self._next_kind()
+            if kind is None:
+                break
+            if kind == "magpie":
+                prefix, k, seed = self.magpie.new_request()
+                params = self.SamplingParams(max_tokens=self.args.magpie_max_tokens,
+                                             temperature=self.args.magpie_temperature, seed=seed,
+                                             skip_special_tokens=False)
+                rid = self._new_rid("magpie")
+                self.engine.add_request(rid, prefix, params)
+                self.in_flight[rid] = (k, seed)
             else:
                 self._submit_turn(self.pending.popleft())
 
     def step(self) -> None:
+        self._check_stop()
         self._top_up()
         if not self.in_flight:
             return
@@ -355,8 +468,13 @@ class Regenerator:
                 continue
             job = self.in_flight.pop(out.request_id)
             self.counts["tokens_generated"] += len(out.token_ids)
-            if job is None:  # a Magpie request
-                self.magpie_results[out.request_id] = list(out.token_ids)
+            if isinstance(job, tuple):  # a Magpie candidate
+                prompt = self.magpie.finished(*job, list(out.token_ids))
+                if prompt is not None:
+                    conv = magpie_conversation(len(self.magpie.kept) - 1, prompt, self.args.magpie_id_prefix)
+                    tdata.assert_no_heldout([conv.prompt_texts()])
+                    if conv.id not in self.done_ids:
+                        self.add([conv])
                 continue
             job.messages.append({"role": "assistant", "content": out.text})
             job.finish_reasons.append(out.finish_reason)
@@ -371,22 +489,8 @@ class Regenerator:
         self._log()
 
     def run(self) -> None:
-        while self.pending or self.priority or self.in_flight:
+        while self.in_flight or self._submittable():
             self.step()
-
-    # Magpie through the shared batch
-    def magpie_generate(self, prefixes: list[list[int]], max_tokens: int, temperature: float,
-                        seed: int) -> list[list[int]]:
-        rids = []
-        for i, prefix in enumerate(prefixes):
-            rid = self._new_rid("magpie")
-            params = self.SamplingParams(max_tokens=max_tokens, temperature=temperature,
-                                         seed=(seed * 1_000_003 + i) % 2**63, skip_special_tokens=False)
-            self.priority.append((rid, list(prefix), params))
-            rids.append(rid)
-        while any(r not in self.magpie_results for r in rids):
-            self.step()
-        return [self.magpie_results.pop(r) for r in rids]
 
     # results
     def _finish(self, job: _Job) -> None:
@@ -425,74 +529,56 @@ class Regenerator:
               f"{self.counts['conversations_written']} conversations written, "
               f"{self.counts['assistant_tokens_written']} assistant tokens, "
               f"{self.counts['tokens_generated']} tokens generated ({self.counts['tokens_generated'] / el:.1f} tok/s), "
-              f"in flight {len(self.in_flight)}, pending {len(self.pending)}, magpie queued {len(self.priority)}",
-              flush=True)
+              f"in flight {len(self.in_flight)}, pending {len(self.pending)}"
+              + (f", magpie kept {len(self.magpie.kept)}/{self.magpie.target} of {self.magpie.stats['candidates']} "
+                 f"candidates ({self.magpie.in_flight} in flight)" if self.magpie is not None else ""), flush=True)
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Magpie prompts, chunk by chunk (resumable)
+# Magpie settings and cache lines
 # ----------------------------------------------------------------------------------------------------------------
+
+MAGPIE_KEYS = ("temperature", "max_tokens", "seed")  # what decides the candidates (batching does not)
+
 
 def magpie_settings(args: argparse.Namespace) -> dict:
-    return {"temperature": args.magpie_temperature, "max_tokens": args.magpie_max_tokens,
-            "batch_size": args.batch_size, "seed": args.seed, "chunk": args.magpie_chunk}
+    return {"temperature": args.magpie_temperature, "max_tokens": args.magpie_max_tokens, "seed": args.seed}
 
 
-def load_magpie_cache(path: Path, settings: dict) -> list[dict]:
-    chunks = []
+def read_magpie_cache(path: Path) -> dict:
+    """Kept prompts (in order), counters (candidates, kept, unfinished, degenerate, duplicate, heldout), the next
+    candidate index, and every settings record of a Magpie cache (candidate lines, or an older run's chunks)."""
+    kept, stats, next_candidate, settings = [], collections.Counter(), 0, []
+    for line in read_jsonl_lines(path):
+        if line.get("settings") is not None:
+            settings.append(line["settings"])
+        if "chunk" in line:  # an older run's whole chunk
+            kept += line["prompts"]
+            stats["candidates"] += line["stats"]["num_generated"]
+            for k in MagpieStream.OUTCOMES:
+                stats[k] += line["stats"][f"num_{k}"]
+        elif "candidate" in line:
+            stats["candidates"] += 1
+            if line["prompt"] is not None:
+                kept.append(line["prompt"])
+            else:
+                stats[line["outcome"]] += 1
+            next_candidate = max(next_candidate, line["candidate"] + 1)
+    stats["kept"] = len(kept)
+    return {"kept": kept, "stats": stats, "next_candidate": next_candidate, "settings": settings}
+
+
+def read_jsonl_lines(path: Path) -> list[dict]:
+    """JSON lines of a file that may end with a torn line (ignored)."""
+    out = []
     if path.exists():
         for line in path.read_text().splitlines():
-            if not line.strip():
-                continue
-            try:
-                chunk = json.loads(line)
-            except json.JSONDecodeError:
-                break  # torn last line: that chunk is redone
-            if chunk["settings"] != settings:
-                raise SystemExit(f"{path} was made with Magpie settings {chunk['settings']}, not {settings}; "
-                                 "use another --output or the original settings")
-            chunks.append(chunk)
-    return chunks
-
-
-def run_magpie(regen: Regenerator, tokenizer, args: argparse.Namespace, cache_path: Path, chunks: list[dict],
-               exclude: list[str], done_ids: set[str]) -> None:
-    settings = magpie_settings(args)
-    have = sum(len(c["prompts"]) for c in chunks)
-    seen = list(exclude) + [p for c in chunks for p in c["prompts"]]
-    index = have
-    while have < args.num_magpie:
-        c = len(chunks)
-        want = min(args.magpie_chunk, args.num_magpie - have)
-        base_seed = args.seed * 1_000_000 + 1000 * (c + 1)
-        result = tdata.magpie_prompts(tokenizer, regen.magpie_generate, want, max_tokens=args.magpie_max_tokens,
-                                      temperature=args.magpie_temperature, seed=base_seed,
-                                      batch_size=args.batch_size, exclude=seen, progress=False)
-        stats = {k: v for k, v in vars(result).items() if k != "prompts"}
-        chunk = {"chunk": c, "seed": base_seed, "settings": settings, "prompts": result.prompts, "stats": stats}
-        with open(cache_path, "a") as f:
-            f.write(json.dumps(chunk, ensure_ascii=False) + "\n")
-        chunks.append(chunk)
-        print(f"[regenerate] magpie chunk {c}: kept {len(result.prompts)} of {result.num_generated} "
-              f"({stats})", flush=True)
-        if not result.prompts:
-            print("[regenerate] a Magpie chunk produced no prompt; stopping Magpie generation", flush=True)
-            break
-        convs = []
-        for p in result.prompts:
-            conv = magpie_conversation(index, p, args.magpie_id_prefix)
-            index += 1
-            if conv.id not in done_ids:
-                convs.append(conv)
-        tdata.assert_no_heldout([c.prompt_texts() for c in convs])
-        regen.add(convs)
-        seen += result.prompts
-        have += len(result.prompts)
-
-
-def magpie_conversations_from_cache(chunks: list[dict], limit: int, prefix: str) -> list[Conversation]:
-    prompts = [p for c in chunks for p in c["prompts"]][:limit]
-    return [magpie_conversation(i, p, prefix) for i, p in enumerate(prompts)]
+            if line.strip():
+                try:
+                    out.append(json.loads(line))
+                except json.JSONDecodeError:
+                    break
+    return out
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -552,14 +638,8 @@ def _read_part(jsonl: Path) -> dict:
     runs_path = jsonl.with_name(jsonl.name + ".runs.json")
     runs = json.loads(runs_path.read_text()) if runs_path.exists() else []
     cache = jsonl.with_name(jsonl.name + ".magpie.jsonl")
-    chunks = []
-    if cache.exists():
-        for line in cache.read_text().splitlines():
-            try:
-                chunks.append(json.loads(line))
-            except json.JSONDecodeError:
-                break
-    return {"path": jsonl, "rows": read_rows(jsonl), "runs": runs, "magpie_chunks": chunks}
+    magpie = read_magpie_cache(cache) if cache.exists() else None
+    return {"path": jsonl, "rows": read_rows(jsonl), "runs": runs, "magpie": magpie}
 
 
 def _magpie_key(row: dict) -> str | None:
@@ -612,21 +692,18 @@ def finalize(args: argparse.Namespace, jsonl: Path) -> None:
         return str(path.relative_to(REPO)) if path.is_relative_to(REPO) else str(path)
 
     def describe(part: dict) -> dict:
-        stats = collections.Counter()
-        for c in part["magpie_chunks"]:
-            stats.update(c["stats"])
-        stats["kept"] = sum(len(c["prompts"]) for c in part["magpie_chunks"])
+        stats = part["magpie"]["stats"] if part["magpie"] else collections.Counter()
         magpie_total.update(stats)
         last = part["runs"][-1]["args"] if part["runs"] else {}
         answered = sum(r["source"] == "magpie" for r in part["rows"])
         return {
             "output": rel(part["path"]), "rows": len(part["rows"]), "rows_kept": part["rows_kept"],
             "settings": {k: last.get(k) for k in ("source", "num_magpie", "magpie_temperature",
-                                                  "magpie_max_tokens", "magpie_chunk", "magpie_id_prefix",
+                                                  "magpie_max_tokens", "magpie_id_prefix",
                                                   "max_new_tokens", "temperature", "greedy_fraction", "top_p",
                                                   "seed", "batch_size", "num_threads", "max_model_len")},
             "magpie": {**dict(stats), "answered": answered,
-                       "generated_but_unanswered": stats["kept"] - answered} if part["magpie_chunks"] else None,
+                       "generated_but_unanswered": stats["kept"] - answered} if part["magpie"] else None,
             "runs": [{"command": r["command"], "git_commit": r["git_commit"],
                       "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(r["started"])),
                       "wall_time_s": round(r["updated"] - r["started"], 1),
@@ -697,7 +774,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--num-magpie", type=int, default=0, help="Magpie prompts to write with --source builtin")
     p.add_argument("--magpie-temperature", type=float, default=1.0)
     p.add_argument("--magpie-max-tokens", type=int, default=128)
-    p.add_argument("--magpie-chunk", type=int, default=256, help="Magpie prompts per resumable chunk")
     p.add_argument("--magpie-id-prefix", default="magpie/",
                    help="ids of Magpie conversations are PREFIX + index (give parallel runs distinct prefixes)")
     p.add_argument("--output", required=True, help="JSONL written (appended) as conversations finish")
@@ -713,6 +789,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--drop-heldout", action="store_true",
                    help="drop conversations that contain a held-out prompt instead of refusing to run")
     p.add_argument("--log-every", type=float, default=60.0, help="seconds between progress log lines")
+    p.add_argument("--time-limit", type=float, default=None,
+                   help="minutes; then stop starting new work, finish what is in flight and exit (rerun to "
+                        "continue). Creating the file OUTPUT.stop does the same at any time")
     p.add_argument("--gz", default=None, help="after a complete run: write the sorted rows here (gzip)")
     p.add_argument("--manifest", default=None, help="after a complete run: write the manifest here")
     p.add_argument("--finalize-only", action="store_true", help="only write --gz/--manifest from --output")
@@ -764,41 +843,53 @@ def main(argv: list[str] | None = None) -> int:
         dup = [k for k, v in collections.Counter(ids).items() if v > 1][:5]
         raise SystemExit(f"duplicate conversation ids across sources: {dup}")
 
+    stop_file = Path(args.output + ".stop")
+    if stop_file.exists():
+        raise SystemExit(f"{stop_file} exists (it asks a run to stop); delete it to run")
     done = {r["id"] for r in read_rows(out_path, repair=True)}
     magpie_cache = out_path.with_name(out_path.name + ".magpie.jsonl")
-    chunks = load_magpie_cache(magpie_cache, magpie_settings(args)) if args.num_magpie else []
-    magpie_convs = magpie_conversations_from_cache(chunks, args.num_magpie, args.magpie_id_prefix)
-    if magpie_convs:
-        tdata.assert_no_heldout([c.prompt_texts() for c in magpie_convs])
-    todo = [c for c in convs + magpie_convs if c.id not in done]
-    print(f"[regenerate] {len(convs) + len(magpie_convs)} conversations known ({len(done)} already in {out_path}), "
-          f"{len(todo)} to generate; Magpie prompts cached: {len(magpie_convs)} of {args.num_magpie}", flush=True)
+    todo = [c for c in convs if c.id not in done]
+    print(f"[regenerate] {len(convs)} conversations from --source ({len(done)} rows already in {out_path}), "
+          f"{len(todo)} to generate", flush=True)
 
     from ssd_eagle.engine.llm import LLM
 
     runlog = RunLog(out_path.with_name(out_path.name + ".runs.json"), args)
     status = "failed"
+    regen = None
     try:
         llm = LLM(args.model, mode="ar", max_num_seqs=args.batch_size, num_threads=args.num_threads,
                   max_model_len=args.max_model_len, seed=args.seed)
         with open(out_path, "a", encoding="utf-8") as out:
             regen = Regenerator(llm, args, out, runlog)
+            regen.done_ids = done
             regen.bar = tqdm(total=0, desc="conversations", unit="conv", dynamic_ncols=True,
                              mininterval=1.0 if sys.stderr.isatty() else 30.0)
             regen.add(todo)
-            if args.num_magpie:  # continues after the cached chunks (nothing to do when they suffice)
+            if args.num_magpie:
                 exclude = [c.prompt_texts()[0] for c in convs if len(c.prompt_texts()) == 1]
-                run_magpie(regen, llm.tokenizer, args, magpie_cache, chunks, exclude, done)
+                regen.magpie = MagpieStream(llm.tokenizer, args, magpie_cache, exclude)
+                cached = [magpie_conversation(i, p, args.magpie_id_prefix)
+                          for i, p in enumerate(regen.magpie.kept[: args.num_magpie])]
+                tdata.assert_no_heldout([c.prompt_texts() for c in cached])
+                regen.add(c for c in cached if c.id not in done)
+                print(f"[regenerate] Magpie: {len(regen.magpie.kept)} prompts cached "
+                      f"({regen.magpie.stats['candidates']} candidates), target {args.num_magpie}", flush=True)
             regen.run()
             regen.bar.close()
-        status = "complete"
+        status = "stopped (drained; rerun to continue)" if regen.draining else "complete"
         counts = dict(regen.counts)
         print(f"[regenerate] done: {counts}, {time.time() - regen.start:.0f} s", flush=True)
     except KeyboardInterrupt:
         status = "interrupted"
         raise
     finally:
-        runlog.update(force=True, status=status)
+        final = {"status": status}
+        if regen is not None:
+            final.update(conversations_written=regen.counts["conversations_written"],
+                         assistant_tokens_written=regen.counts["assistant_tokens_written"],
+                         tokens_generated=regen.counts["tokens_generated"])
+        runlog.update(force=True, **final)
     if args.gz and status == "complete":
         finalize(args, out_path)
     return 0
