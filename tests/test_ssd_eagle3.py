@@ -1,0 +1,105 @@
+"""SSD-EAGLE-3: the feature-conditioned head in the speculator, chains and trees.
+
+A random head rarely predicts the target, so these tests use a large fan-out (most tokens of the tiny vocabulary
+are cached) to make hits common and misses still possible; the draft's quality is not what they test."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import make_tiny_llama
+from ssd_eagle.config import EngineConfig, SpeculativeConfig
+from ssd_eagle.engine.llm import LLM
+from ssd_eagle.engine.llm_engine import LLMEngine
+from ssd_eagle.kv_cache import ForwardBatch
+from ssd_eagle.model_runner import ModelRunner
+from ssd_eagle.sampling_params import SamplingParams
+from ssd_eagle.ssd import build_ssd_drafter
+from ssd_eagle.ssd.backends import Eagle3Backend
+from ssd_eagle.ssd.speculator import Speculator, SpecRequest
+from test_eagle3_drafter import make_head
+from test_engine import random_prompts, reference_greedy
+
+K = 3
+
+
+def eagle_ssd_engine(target, head, tokenizer, tree: int = 0, fanout=(60,), max_num_seqs=3, speculator="local"):
+    spec = SpeculativeConfig(method="eagle3", model="in-memory", num_speculative_tokens=K, fanout=list(fanout),
+                             speculator=speculator, tree_budget=tree, tree_depth=K, tree_topk=2)
+    cfg = EngineConfig(model="in-memory", mode="ssd", max_num_seqs=max_num_seqs, max_model_len=256,
+                       speculative_config=spec)
+    drafter = build_ssd_drafter(cfg, target, draft=head)
+    return LLMEngine(target, tokenizer, drafter, num_speculative_tokens=K, max_num_seqs=max_num_seqs,
+                     max_model_len=256, max_draft_tokens=spec.max_draft_tokens)
+
+
+@pytest.fixture(scope="module")
+def target_and_head():
+    target = make_tiny_llama(seed=4, num_layers=8, vocab_size=80, max_positions=256)
+    return target, make_head(target, draft_vocab=80)
+
+
+@pytest.mark.parametrize("tree", [0, 6], ids=["chain", "tree"])
+def test_greedy_ssd_eagle3_equals_target_greedy_with_hits_and_misses(tree, target_and_head, byte_tokenizer):
+    target, head = target_and_head
+    engine = eagle_ssd_engine(target, head, byte_tokenizer, tree=tree, fanout=(20,) if tree else (60,))
+    prompts = [[t % 80 for t in p] for p in random_prompts(4, seed=3)]
+    outs = LLM(engine=engine).generate(prompts, SamplingParams(temperature=0.0, max_tokens=14))
+    for prompt, out in zip(prompts, outs):
+        assert out.token_ids == reference_greedy(target, prompt, 14, eos=set())
+    stats = engine.stats
+    assert stats.cache_hits > 0 and stats.cache_lookups > stats.cache_hits, "hits and misses must both occur"
+
+
+def test_a_seeded_round_runs_fewer_drafter_forwards_than_an_unseeded_one(target_and_head, byte_tokenizer):
+    target, head = target_and_head
+    engine = eagle_ssd_engine(target, head, byte_tokenizer)
+    speculator = engine.drafter.speculator.speculator
+    forwards = {True: [], False: []}
+    original = speculator.propose
+
+    def counting(requests):
+        before = speculator.stats.backup_forwards
+        replies = original(requests)
+        for reply in replies:
+            if reply.hit is not None:
+                forwards[reply.hit].append(speculator.stats.backup_forwards - before)
+        return replies
+
+    speculator.propose = counting
+    engine.add_request("a", [3, 1, 4, 1, 5, 9, 2, 6], SamplingParams(temperature=0.0, max_tokens=40,
+                                                                    ignore_eos=True))
+    while engine.has_unfinished():
+        engine.step()
+    assert forwards[True] and forwards[False]
+    assert max(forwards[True]) == 0  # a hit answers from the cache: no draft forward while the verifier waits
+    assert min(forwards[False]) >= 1 and max(forwards[False]) == K  # a miss drafts (up to) K tokens anew
+
+
+def test_eagle3_speculator_state_after_a_miss_equals_a_fresh_computation(target_and_head, byte_tokenizer):
+    target, head = target_and_head
+    engine = eagle_ssd_engine(target, head, byte_tokenizer, fanout=(20,), max_num_seqs=1)
+    speculator = engine.drafter.speculator.speculator
+    original = speculator.propose
+    misses = []
+
+    def recording(requests):
+        replies = original(requests)
+        for req, reply in zip(requests, replies):
+            if reply.hit is False and req.budget == K:
+                misses.append((list(speculator.seqs[req.slot].token_ids), reply.tokens))
+        return replies
+
+    speculator.propose = recording
+    engine.add_request("a", [7, 7, 1, 2, 3, 9], SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True))
+    while engine.has_unfinished():
+        engine.step()
+    assert len(misses) >= 2
+    committed, proposed = misses[-1]
+    runner = ModelRunner(target, 1, 256, aux_layer_ids=head.config.aux_layer_ids)
+    aux = runner.forward(ForwardBatch.causal([committed[:-1]], [0], [0], torch.float64, "cpu"), capture_aux=True,
+                         compute_logits=False).aux_hidden[0]
+    fresh = Speculator(Eagle3Backend(head, 1, 256), K, [1] * (K + 1))
+    fresh.add(0, committed, SamplingParams(temperature=0.0), seed=0, aux=aux)
+    assert fresh.propose([SpecRequest(0, -1, 0, K)])[0].tokens == proposed
