@@ -1,0 +1,75 @@
+"""Acceptance length tau of each draft on the held-out splits, served by our engine, next to the n-gram drafter.
+
+Chain drafting with K tokens per round at T = 0 (greedy: tau depends only on the draft and the text), on the
+held-out MT-Bench questions (first turn) and held-out HumanEval problems, rendered with the chat template.
+
+    python scripts/eval_draft.py --draft eagle3=drafts/smollm2-135m-eagle3 --draft draft_model=drafts/smollm2-135m-draftlm
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+
+from ssd_eagle.assets import DEFAULT_MODEL, load_model
+from ssd_eagle.config import SpeculativeConfig
+from ssd_eagle.drafters import build_drafter
+from ssd_eagle.engine.llm import LLM, render_chat
+from ssd_eagle.engine.llm_engine import LLMEngine
+from ssd_eagle.prompts import heldout_prompts
+from ssd_eagle.sampling_params import SamplingParams
+
+
+def evaluate(model, tokenizer, spec: SpeculativeConfig, prompts: list[list[int]], max_tokens: int,
+             batch: int) -> dict:
+    drafter = build_drafter(spec, model, batch, 4096 + 64)
+    engine = LLMEngine(model, tokenizer, drafter, num_speculative_tokens=spec.num_speculative_tokens,
+                       max_num_seqs=batch, max_model_len=4096, max_draft_tokens=spec.max_draft_tokens)
+    start = time.perf_counter()
+    LLM(engine=engine).generate(prompts, SamplingParams(temperature=0.0, max_tokens=max_tokens), use_tqdm=True)
+    s = engine.stats
+    return {"tau": round(s.tau, 3), "acceptance_rate": round(s.acceptance_rate, 3), "rounds": s.num_rounds,
+            "tokens": s.num_emitted, "seconds": round(time.perf_counter() - start, 1)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=DEFAULT_MODEL)
+    ap.add_argument("--draft", action="append", default=[], metavar="METHOD=PATH",
+                    help="a draft to evaluate: eagle3=PATH or draft_model=PATH (repeatable)")
+    ap.add_argument("--k", type=int, default=5)
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--limit", type=int, default=None, help="prompts per split (default: all held-out)")
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--json", default=None, help="also write the table here")
+    args = ap.parse_args()
+
+    torch.set_num_threads(args.threads)
+    model, tokenizer = load_model(args.model)
+    specs = {"ngram": SpeculativeConfig(method="ngram", num_speculative_tokens=args.k)}
+    for item in args.draft:
+        method, path = item.split("=", 1)
+        specs[f"{method}:{path}"] = SpeculativeConfig(method=method, model=path, num_speculative_tokens=args.k)
+    splits = {split: [render_chat(tokenizer, p["messages"]) for p in heldout_prompts(split)[: args.limit]]
+              for split in ("mtbench", "humaneval")}
+    table = {}
+    for name, spec in specs.items():
+        for split, prompts in splits.items():
+            table[(name, split)] = evaluate(model, tokenizer, spec, prompts, args.max_tokens, args.batch)
+            print(name, split, table[(name, split)], flush=True)
+    print(f"\nK={args.k} T=0 max_tokens={args.max_tokens} prompts: "
+          + ", ".join(f"{s}={len(p)}" for s, p in splits.items()))
+    print(f"{'draft':50s} {'split':10s} {'tau':>6s} {'accept':>7s}")
+    for (name, split), row in table.items():
+        print(f"{name:50s} {split:10s} {row['tau']:6.3f} {row['acceptance_rate']:7.3f}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({f"{n}|{s}": r for (n, s), r in table.items()}, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
