@@ -173,6 +173,7 @@ class EngineConfig:
         draft_threads: torch threads of the speculator process.
         pin_cpus: in SSD mode with both on CPU, pin the verifier and the speculator to disjoint halves of the
             cores (how the CPU benchmark stands in for separate hardware).
+        eager: never capture CUDA graphs (they are used on CUDA devices otherwise; CPU always runs eagerly).
     """
 
     model: str = DEFAULT_MODEL
@@ -187,6 +188,7 @@ class EngineConfig:
     draft_device: str = "cpu"
     draft_threads: int = 1
     pin_cpus: bool = True
+    eager: bool = False
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -256,6 +258,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--draft-threads", type=int, default=1, help="torch threads of the SSD speculator process")
     g.add_argument("--no-pin-cpus", dest="pin_cpus", action="store_false",
                    help="SSD on CPU: do not pin verifier and speculator to disjoint cores")
+    g.add_argument("--eager", action="store_true", help="on GPU: do not capture CUDA graphs")
     g.add_argument("--mode", default=None, choices=MODES,
                    help="ar: autoregressive; sd: speculative decoding; ssd: speculative speculative decoding "
                         "(default: configs/default_serving.yaml, else sd)")
@@ -299,4 +302,5 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(model=args.model, dtype=args.dtype, device=args.device, mode=mode, speculative_config=spec,
                         max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs, seed=args.seed,
                         num_threads=args.num_threads, draft_device=args.draft_device,
-                        draft_threads=args.draft_threads, pin_cpus=args.pin_cpus)
+                        draft_threads=args.draft_threads, pin_cpus=args.pin_cpus,
+                        eager=getattr(args, "eager", False))

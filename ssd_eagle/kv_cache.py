@@ -66,7 +66,8 @@ class KVCache:
 
     def bind(self, batch: ForwardBatch) -> KVCache:
         """Set the batch the next forward belongs to (slots, write positions, attended length)."""
-        self.reserve(max(batch.kv_len, batch.max_write_position + 1))
+        if self.capacity < self.max_len:  # (once full, no host sync: CUDA-graph capture forbids one)
+            self.reserve(max(batch.kv_len, batch.max_write_position + 1))
         self._batch = batch
         return self
 

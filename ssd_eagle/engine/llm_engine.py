@@ -27,7 +27,7 @@ from ssd_eagle.engine.detokenizer import IncrementalDetokenizer
 from ssd_eagle.engine.sequence import (CompletionOutput, RequestOutput, Sequence, SequenceStatus,
                                        TokenLogprob)
 from ssd_eagle.kv_cache import ForwardBatch
-from ssd_eagle.model_runner import ModelRunner
+from ssd_eagle.model_runner import ModelRunner, RunnerOutput
 from ssd_eagle.sampling import SamplingTensors, logits_to_probs, sample
 from ssd_eagle.sampling_params import SamplingParams
 from ssd_eagle.stats import SpecStats
@@ -50,11 +50,14 @@ class LLMEngine:
         seed: seeds the generators of requests that bring no seed.
         prefill_chunk: prompt tokens per prefill forward.
         max_draft_tokens: most draft tokens (tree nodes) in one proposal (default: K).
+        cuda_graphs: on a CUDA target, capture verification forwards as CUDA graphs (``--eager`` turns them off;
+            see :mod:`ssd_eagle.cuda_graphs`). Ignored on CPU.
     """
 
     def __init__(self, model, tokenizer, drafter: Drafter | None = None, num_speculative_tokens: int = 5,
                  max_num_seqs: int = 8, max_model_len: int | None = None, eos_token_ids: set[int] | None = None,
-                 seed: int = 0, prefill_chunk: int = 512, max_draft_tokens: int | None = None):
+                 seed: int = 0, prefill_chunk: int = 512, max_draft_tokens: int | None = None,
+                 cuda_graphs: bool = True):
         from ssd_eagle.assets import eos_token_ids as model_eos_ids
 
         self.tokenizer = tokenizer
@@ -69,8 +72,19 @@ class LLMEngine:
         self.eos_token_ids = set(eos_token_ids) if eos_token_ids is not None else model_eos_ids(model, tokenizer)
         aux_ids = getattr(drafter, "aux_layer_ids", None) if drafter is not None and drafter.needs_aux_hidden \
             else None
-        self.target = ModelRunner(model, max_num_seqs, self.max_model_len + self.max_draft_tokens + 1, aux_ids)
+        # one slot more than sequences: the scratch row of fixed-shape (CUDA-graph) batches
+        self.target = ModelRunner(model, max_num_seqs + 1, self.max_model_len + self.max_draft_tokens + 1, aux_ids)
         self.needs_aux = aux_ids is not None
+        self.static = None
+        if cuda_graphs and self.target.device.type == "cuda":
+            from ssd_eagle.cuda_graphs import StaticForward, runner_forward_fn
+
+            widths = sorted({1, self.K + 1, self.max_draft_tokens + 1})
+            self.static = StaticForward(runner_forward_fn(self.target, self.needs_aux), self.target.kv,
+                                        scratch_slot=max_num_seqs, dtype=self.target.dtype,
+                                        device=self.target.device, widths=widths,
+                                        buckets=[b for b in (1, 2, 4, 8, 16, 32, 64) if b < max_num_seqs]
+                                        + [max_num_seqs])
         self.prefill_chunk = prefill_chunk
         self._rng = random.Random(seed)
         self._free_slots = list(range(max_num_seqs - 1, -1, -1))  # pop() hands out the lowest slot first
@@ -217,7 +231,7 @@ class LLMEngine:
         else:
             batch = ForwardBatch.causal([[s.token_ids[-1]] + p.tokens for s, p in zip(seqs, proposals)], slots,
                                         starts, self.target.dtype, self.target.device)
-        out = self.target.forward(batch, capture_aux=self.needs_aux)
+        out = self._verify_forward(batch)
         paths, bonus = self._verify(seqs, proposals, out.logits)
         t2 = time.perf_counter()
         self.stats.draft_time += t1 - t0
@@ -239,6 +253,14 @@ class LLMEngine:
             seq.stats.verify_time += t2 - t1
             if not seq.finished:
                 self._call_drafter("on_verified", seq, k, out.aux_hidden[row, keep] if self.needs_aux else None)
+
+    def _verify_forward(self, batch: ForwardBatch) -> RunnerOutput:
+        """The target's forward over a round's tokens: a replayed CUDA graph when one covers the batch."""
+        if self.static is not None:
+            out = self.static(batch)
+            if out is not None:
+                return RunnerOutput(out["logits"], out.get("aux_hidden"), None)
+        return self.target.forward(batch, capture_aux=self.needs_aux)
 
     def _within_budget(self, p: Proposal, budget: int) -> Proposal:
         """Guard against drafter bugs: a chain is cut to ``budget`` tokens; a tree deeper than ``budget`` or

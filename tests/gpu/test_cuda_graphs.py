@@ -1,0 +1,82 @@
+"""GPU paths: CUDA-graph replays equal eager forwards, the engine stays lossless with graphs, and SSD runs as two
+processes on one GPU. Run by ``scripts/gpu_check.sh``; skipped where no CUDA device exists."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import make_tiny_llama
+from ssd_eagle.config import EngineConfig, SpeculativeConfig
+from ssd_eagle.cuda_graphs import StaticForward, runner_forward_fn
+from ssd_eagle.engine.llm import LLM
+from ssd_eagle.engine.llm_engine import LLMEngine
+from ssd_eagle.kv_cache import ForwardBatch
+from ssd_eagle.model_runner import ModelRunner
+from ssd_eagle.sampling_params import SamplingParams
+from ssd_eagle.ssd import build_ssd_drafter
+from test_engine import make_drafter, noisy_copy, random_prompts, reference_greedy
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
+                                reason="needs a CUDA device (scripts/gpu_check.sh runs these on a GPU machine)")
+
+
+def _cuda(model):
+    return model.to("cuda")
+
+
+def test_graph_replay_equals_eager_forward():
+    target = _cuda(make_tiny_llama(seed=7, num_layers=8))
+    eager = ModelRunner(target, 4, 512, aux_layer_ids=(2, 4, 5))
+    graphed = ModelRunner(target, 4, 512, aux_layer_ids=(2, 4, 5))
+    static = StaticForward(runner_forward_fn(graphed, True), graphed.kv, scratch_slot=3, dtype=torch.float64,
+                           device="cuda", buckets=(1, 2, 4), widths=(1, 6), enabled=True)
+    for runner in (eager, graphed):
+        for slot in range(3):
+            runner.forward(ForwardBatch.causal([list(range(10 + slot, 40))], [slot], [0], torch.float64, "cuda"))
+    for step in range(3):  # replays of one captured graph with new inputs
+        tokens = [[1 + step, 2, 3, 4, 5], [6 + step], [7, 8 + step]]
+        batch = ForwardBatch.causal(tokens, [0, 1, 2], [30 + 5 * step, 29 + 5 * step, 28 + 5 * step],
+                                    torch.float64, "cuda")
+        expected = eager.forward(batch, capture_aux=True)
+        got = static(batch)
+        for row, t in enumerate(tokens):
+            torch.testing.assert_close(got["logits"][row, : len(t)], expected.logits[row, : len(t)], rtol=0,
+                                       atol=1e-9)
+            torch.testing.assert_close(got["aux_hidden"][row, : len(t)], expected.aux_hidden[row, : len(t)],
+                                       rtol=0, atol=1e-9)
+    assert static._graphs, "no CUDA graph was captured"
+
+
+@pytest.mark.parametrize("kind", ["ar", "noisy"])
+def test_engine_with_cuda_graphs_is_lossless(kind, byte_tokenizer):
+    target = _cuda(make_tiny_llama(seed=3))
+    engine = LLMEngine(target, byte_tokenizer, make_drafter(kind, target), num_speculative_tokens=4,
+                       max_num_seqs=3, max_model_len=512, cuda_graphs=True)
+    assert engine.static is not None
+    prompts = random_prompts(4, seed=9)
+    outs = LLM(engine=engine).generate(prompts, SamplingParams(temperature=0.0, max_tokens=16))
+    cpu_target = target.to("cpu")
+    for prompt, out in zip(prompts, outs):
+        assert out.token_ids == reference_greedy(cpu_target, prompt, 16)
+    assert engine.static._graphs
+
+
+def test_ssd_two_processes_on_one_gpu(byte_tokenizer):
+    target = _cuda(make_tiny_llama(seed=3))
+    draft = noisy_copy(target, 0.02)
+    spec = SpeculativeConfig(method="draft_model", model="in-memory", num_speculative_tokens=4, fanout=[2])
+    cfg = EngineConfig(model="in-memory", mode="ssd", device="cuda:0", draft_device="cuda:0", max_num_seqs=2,
+                       max_model_len=512, speculative_config=spec)
+    drafter = build_ssd_drafter(cfg, target, draft=draft)
+    try:
+        engine = LLMEngine(target, byte_tokenizer, drafter, num_speculative_tokens=4, max_num_seqs=2,
+                           max_model_len=512)
+        prompts = random_prompts(2, seed=4)
+        outs = LLM(engine=engine).generate(prompts, SamplingParams(temperature=0.0, max_tokens=16))
+        cpu_target = target.to("cpu")
+        for prompt, out in zip(prompts, outs):
+            assert out.token_ids == reference_greedy(cpu_target, prompt, 16)
+        assert engine.stats.cache_hits > 0
+    finally:
+        drafter.close()
