@@ -15,6 +15,10 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 EOS_ID = 256
 
+# Tiny models gain nothing from intra-op threads, and OpenMP threads waiting for a busy core (the SSD speculator
+# process, another test worker) turn microseconds into milliseconds.
+torch.set_num_threads(1)
+
 
 def _bytes_to_unicode() -> dict[int, str]:
     """GPT-2's reversible byte -> printable unicode map (what the ByteLevel pre-tokenizer uses)."""

@@ -83,6 +83,8 @@ def build_ssd_drafter(config, target_model, draft=None, max_model_len: int | Non
             if len(cores) >= 2:
                 half = len(cores) // 2
                 verifier_cpus, settings.cpus = cores[:half], cores[half:]
+                # as many threads as cores: OpenMP threads spinning for a busy core cost milliseconds per op
+                torch.set_num_threads(min(torch.get_num_threads(), len(verifier_cpus)))
         if config.draft_device.startswith("cuda") and config.device.startswith("cuda") and \
                 torch.device(config.draft_device) != torch.device(config.device):
             settings.dist_backend = "nccl"
