@@ -1,0 +1,243 @@
+"""SSD against its baselines on the real SmolLM2 target, side by side in one run.
+
+Core placement (the CPU stands in for separate hardware): AR and SD run with the target on one core (the paper's
+baselines use the target's devices only), SD also on both cores; SSD runs the verifier on core 0 and the
+speculator on core 1, one thread each. Same held-out prompts (MT-Bench and HumanEval), same token count, batch 1,
+for T = 0, 0.5, 1.0. Per configuration and temperature it prints tokens/s, tau, the cache hit rate, the ratio to
+AR and to SD, and for SD the measured verify time V and drafting time D per round, whose ``(V + D) / V`` caps what
+SSD can gain over that SD. It writes a CSV and a PNG of the cache hit rate against the fan-out F with the fitted
+power law ``1 - p_hit(F) = F^-r``.
+
+    python scripts/bench_ssd.py --prompts 4 --max-tokens 128 --out runs/bench_ssd
+    python scripts/bench_ssd.py --configs ar,sd_lm,ssd_lm_geo --temperatures 0
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from ssd_eagle.assets import DEFAULT_MODEL, load_model
+from ssd_eagle.config import EngineConfig, SpeculativeConfig
+from ssd_eagle.drafters import build_drafter
+from ssd_eagle.engine.llm import render_chat
+from ssd_eagle.engine.llm_engine import LLMEngine
+from ssd_eagle.prompts import heldout_prompts
+from ssd_eagle.sampling_params import SamplingParams
+from ssd_eagle.ssd import build_ssd_drafter, load_draft_module
+from ssd_eagle.ssd.fanout import fit_power_law, hit_rate_by_rank
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@dataclass
+class Config:
+    name: str
+    mode: str  # ar | sd | ssd | hf
+    spec: dict = field(default_factory=dict)
+    cores: int = 1  # cores of the target (SD on both cores uses 2)
+    hf: str | None = None  # "assisted" or "lookup"
+
+
+def configs(args) -> dict[str, Config]:
+    lm, head, head_saguaro = args.draft_lm, args.eagle3, args.eagle3_saguaro
+    K, B = args.k, args.budget
+    lm_spec = {"method": "draft_model", "model": lm, "num_speculative_tokens": K}
+    e3 = {"method": "eagle3", "model": head, "num_speculative_tokens": K}
+    tree = {"tree_budget": args.tree_budget, "tree_depth": K, "tree_topk": args.tree_topk}
+    uniform = {"fanout_strategy": "uniform", "fanout_budget": B}
+    geometric = {"fanout_strategy": "geometric", "fanout_budget": B, "fanout_acceptance": args.acceptance,
+                 "fanout_power": args.power}
+    out = [
+        Config("ar", "ar"),
+        Config("sd_ngram", "sd", {"method": "ngram", "num_speculative_tokens": K}),
+        Config("sd_lm", "sd", lm_spec),
+        Config("sd_lm_2core", "sd", lm_spec, cores=2),
+        Config("ssd_lm_uniform", "ssd", {**lm_spec, **uniform}),
+        Config("ssd_lm_geo", "ssd", {**lm_spec, **geometric}),
+        Config("ssd_lm_geo_saguaro", "ssd", {**lm_spec, **geometric, "saguaro_c": args.saguaro_c}),
+        Config("sd_eagle3", "sd", e3),
+        Config("sd_eagle3_tree", "sd", {**e3, **tree}),
+        Config("ssd_eagle3", "ssd", {**e3, **geometric}),
+        Config("ssd_eagle3_tree", "ssd", {**e3, **tree, "fanout_budget": B}),
+        Config("hf_assisted", "hf", hf="assisted"),
+        Config("hf_lookup", "hf", hf="lookup"),
+    ]
+    if head_saguaro:
+        for base in ("ssd_eagle3",):
+            c = next(c for c in out if c.name == base)
+            out.append(Config(f"{base}_sagC", "ssd", {**c.spec, "saguaro_c": args.saguaro_c}))
+            out.append(Config(f"{base}_sagC_trained", "ssd",
+                              {**c.spec, "model": head_saguaro, "saguaro_c": args.saguaro_c}))
+    return {c.name: c for c in out}
+
+
+def pin(cores: int) -> None:
+    available = sorted(os.sched_getaffinity(0) | set(range(os.cpu_count() or 1)))
+    os.sched_setaffinity(0, available[:cores])
+    torch.set_num_threads(cores)
+
+
+def run_engine(engine: LLMEngine, prompts, params) -> dict:
+    tokens, seconds, stats = 0, 0.0, None
+    from ssd_eagle.stats import SpecStats
+
+    total = SpecStats()
+    for i, p in enumerate(prompts):
+        engine.add_request(f"r{time.monotonic_ns()}-{i}", p, params)
+        start = time.perf_counter()
+        while engine.has_unfinished():
+            outs = engine.step()
+        seconds += time.perf_counter() - start
+        tokens += len(outs[-1].token_ids)
+        total.merge(outs[-1].stats)
+    return {"tokens": tokens, "seconds": seconds, "tps": tokens / seconds, "tau": total.tau,
+            "hit": total.cache_hit_rate, "V": total.verify_time / max(total.num_rounds, 1),
+            "D": total.draft_time / max(total.num_rounds, 1), "rounds": total.num_rounds}
+
+
+def run_hf(model, assistant, prompts, params, kind: str, k: int) -> dict:
+    tokens, seconds = 0, 0.0
+    for p in prompts:
+        ids = torch.tensor([p])
+        kwargs = {"prompt_lookup_num_tokens": k} if kind == "lookup" else {"assistant_model": assistant}
+        sample = {"do_sample": False} if params.temperature == 0 else {"do_sample": True,
+                                                                       "temperature": params.temperature}
+        start = time.perf_counter()
+        with torch.inference_mode():
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=params.max_tokens,
+                                 **sample, **kwargs)
+        seconds += time.perf_counter() - start
+        tokens += out.shape[1] - len(p)
+    return {"tokens": tokens, "seconds": seconds, "tps": tokens / seconds, "tau": None, "hit": None, "V": None,
+            "D": None, "rounds": None}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=DEFAULT_MODEL)
+    ap.add_argument("--draft-lm", default=str(ROOT / "drafts/smollm2-135m-draftlm"))
+    ap.add_argument("--eagle3", default=str(ROOT / "drafts/smollm2-135m-eagle3"))
+    ap.add_argument("--eagle3-saguaro", default=None, help="a Saguaro-aware head to compare (issue 7)")
+    ap.add_argument("--configs", default=None, help="comma-separated subset of configuration names")
+    ap.add_argument("--temperatures", default="0,0.5,1.0")
+    ap.add_argument("--prompts", type=int, default=3, help="prompts per split")
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--k", type=int, default=5)
+    ap.add_argument("--budget", type=int, default=24, help="SSD fan-out budget B (branches per sequence)")
+    ap.add_argument("--acceptance", type=float, default=0.7, help="a of the geometric fan-out")
+    ap.add_argument("--power", type=float, default=1.0, help="r of the geometric fan-out")
+    ap.add_argument("--saguaro-c", type=float, default=0.8)
+    ap.add_argument("--tree-budget", type=int, default=16)
+    ap.add_argument("--tree-topk", type=int, default=4)
+    ap.add_argument("--out", default=str(ROOT / "runs/bench_ssd"))
+    args = ap.parse_args()
+
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    all_configs = configs(args)
+    names = args.configs.split(",") if args.configs else list(all_configs)
+    temps = [float(t) for t in args.temperatures.split(",")]
+    pin(1)
+    model, tokenizer = load_model(args.model)
+    prompts = [render_chat(tokenizer, p["messages"])
+               for split in ("mtbench", "humaneval") for p in heldout_prompts(split)[: args.prompts]]
+    rows, ranks = [], {}
+    for name in names:
+        cfg = all_configs[name]
+        pin(2 if cfg.mode == "ssd" or cfg.cores == 2 else 1)
+        spec = SpeculativeConfig.from_dict(cfg.spec) if cfg.spec else None
+        drafter = assistant = None
+        if cfg.mode == "sd":
+            drafter = build_drafter(spec, model, 1, 4096 + 256)
+        elif cfg.mode == "ssd":
+            ecfg = EngineConfig(model=args.model, mode="ssd", speculative_config=spec, max_num_seqs=1,
+                                max_model_len=4096)
+            drafter = build_ssd_drafter(ecfg, model, draft=load_draft_module(spec, model), max_model_len=4096)
+        elif cfg.mode == "hf" and cfg.hf == "assisted":
+            assistant, _ = load_model(args.draft_lm)
+        K = spec.num_speculative_tokens if spec else 0
+        for temp in temps:
+            params = SamplingParams(temperature=temp, max_tokens=args.max_tokens, seed=1234)
+            if cfg.mode == "hf":
+                r = run_hf(model, assistant, prompts, params, cfg.hf, args.k)
+            else:
+                engine = LLMEngine(model, tokenizer, drafter, num_speculative_tokens=K, max_num_seqs=1,
+                                   max_model_len=4096, max_draft_tokens=spec.max_draft_tokens if spec else 0)
+                r = run_engine(engine, prompts, params)
+            rows.append({"config": name, "temperature": temp, **r})
+            print(json.dumps(rows[-1]), flush=True)
+        if cfg.mode == "ssd":
+            stats, _ = drafter.speculator.stats()
+            ranks[name] = stats.bonus_ranks
+            drafter.close()
+    report(rows, ranks, out_dir, args)
+
+
+def report(rows, ranks, out_dir: Path, args) -> None:
+    with open(out_dir / "results.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    by = {(r["config"], r["temperature"]): r for r in rows}
+    print(f"\nmodel={args.model} prompts/split={args.prompts} max_tokens={args.max_tokens} K={args.k} "
+          f"B={args.budget}")
+    header = f"{'config':24s} {'T':>4s} {'tok/s':>7s} {'tau':>5s} {'hit':>5s} {'xAR':>5s} {'xSD':>5s} " \
+             f"{'V ms':>6s} {'D ms':>6s} {'cap':>5s}"
+    print(header)
+    for r in rows:
+        ar = by.get(("ar", r["temperature"]))
+        sd_name = "sd_eagle3" if "eagle3" in r["config"] else "sd_lm"
+        sd = by.get((sd_name, r["temperature"]))
+        cap = (r["V"] + r["D"]) / r["V"] if r["V"] else None
+        fmt = lambda v, spec: format(v, spec) if v is not None else "-"  # noqa: E731
+        print(f"{r['config']:24s} {r['temperature']:4.1f} {r['tps']:7.2f} {fmt(r['tau'], '5.2f'):>5s} "
+              f"{fmt(r['hit'], '5.2f'):>5s} {fmt(r['tps'] / ar['tps'] if ar else None, '5.2f'):>5s} "
+              f"{fmt(r['tps'] / sd['tps'] if sd else None, '5.2f'):>5s} {fmt(r['V'] and r['V'] * 1e3, '6.1f'):>6s} "
+              f"{fmt(r['D'] and r['D'] * 1e3, '6.1f'):>6s} {fmt(cap, '5.2f'):>5s}")
+    plot_hit_rate(ranks, out_dir)
+
+
+def plot_hit_rate(ranks: dict[str, list[int]], out_dir: Path) -> None:
+    """Bonus-token hit rate against the fan-out F from the observed ranks, with the fitted power law."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    fits = {}
+    for name, r in ranks.items():
+        if len(r) < 10:
+            continue
+        fs, hits = hit_rate_by_rank(r, 16)
+        ax.plot(fs, hits, "o", label=f"{name} (measured)")
+        try:
+            fit = fit_power_law(fs, hits)
+        except ValueError:
+            continue
+        fits[name] = fit
+        grid = [f / 4 for f in range(4, 65)]
+        ax.plot(grid, [1 - fit.scale * f ** -fit.power for f in grid], "-",
+                label=f"{name}: 1-{fit.scale:.2f}F^-{fit.power:.2f}")
+    ax.set_xlabel("fan-out F (bonus candidates cached)")
+    ax.set_ylabel("bonus-token hit rate")
+    ax.set_ylim(0, 1)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out_dir / "hit_rate_vs_fanout.png", dpi=120)
+    with open(out_dir / "power_law_fits.json", "w") as f:
+        json.dump({n: {"r": fit.power, "c": fit.scale, "points": fit.points} for n, fit in fits.items()}, f,
+                  indent=2)
+    print(f"wrote {out_dir / 'results.csv'}, {out_dir / 'hit_rate_vs_fanout.png'}; power-law fits: "
+          + ", ".join(f"{n}: r={fit.power:.2f}" for n, fit in fits.items()))
+
+
+if __name__ == "__main__":
+    main()
