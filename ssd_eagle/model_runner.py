@@ -76,8 +76,12 @@ class ModelRunner:
         cfg = self.config.get_text_config()
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.num_layers = cfg.num_hidden_layers
-        self.kv = KVCache(self.num_layers, num_slots, cfg.num_key_value_heads, head_dim, max_len,
-                          self.dtype, self.device, initial_capacity)
+        # a tensor-parallel shard holds only its kv heads (a DTensor weight knows its local shape)
+        k_weight = self.body.layers[0].self_attn.k_proj.weight
+        kv_heads = k_weight.to_local().shape[0] // head_dim if hasattr(k_weight, "to_local") \
+            else cfg.num_key_value_heads
+        self.kv = KVCache(self.num_layers, num_slots, kv_heads, head_dim, max_len, self.dtype, self.device,
+                          initial_capacity)
         self._cache_kwarg = "cache" if "cache" in inspect.signature(self.body.forward).parameters \
             else "past_key_values"
         self.aux_layer_ids = tuple(aux_layer_ids) if aux_layer_ids is not None else None

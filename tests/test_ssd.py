@@ -58,10 +58,13 @@ def test_a_hit_requires_the_exact_outcome(byte_tokenizer):
     engine.add_request("a", [5, 6, 7, 8], SamplingParams(temperature=0.0, max_tokens=50, ignore_eos=True))
     engine.step()  # prefill + first round (no lookup), then the cache is built
     seq = speculator.seqs[engine.requests["a"].slot]
+    proposal = seq.proposal.tokens
     cached = sorted(seq.cache)
-    assert cached and all(b in seq.candidates[k] for k, b in cached)
-    k, bonus = cached[0]
-    not_cached = next(t for t in range(257) if (k, t) not in seq.cache)
+    assert cached and all(b in seq.candidates[path] for path, b in cached)
+    (path, bonus) = cached[0]
+    k = len(path)
+    assert path == tuple(proposal[:k])
+    not_cached = next(t for t in range(257) if (path, t) not in seq.cache)
     snapshot, base_tokens, base_cached = dict(seq.cache), list(seq.token_ids), seq.num_cached
 
     def lookup(k_: int, b_: int) -> bool:
@@ -70,7 +73,7 @@ def test_a_hit_requires_the_exact_outcome(byte_tokenizer):
 
     assert lookup(k, bonus) is True
     assert lookup(k, not_cached) is False
-    other_k = next(kk for kk in range(K + 1) if (kk, bonus) not in snapshot)
+    other_k = next(kk for kk in range(K + 1) if (tuple(proposal[:kk]), bonus) not in snapshot)
     assert lookup(other_k, bonus) is False
 
 

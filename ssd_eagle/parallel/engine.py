@@ -93,13 +93,17 @@ class DriverSession:
         if config.mode == "sd":
             from ssd_eagle.drafters import build_drafter
 
-            K = config.speculative_config.num_speculative_tokens
-            drafter = build_drafter(config.speculative_config, model, config.max_num_seqs, max_model_len + K + 1)
+            spec = config.speculative_config
+            K = spec.num_speculative_tokens
+            extra = spec.max_draft_tokens + spec.tree_depth * spec.tree_topk + 2
+            drafter = build_drafter(spec, model, config.max_num_seqs, max_model_len + extra)
         elif config.mode == "ssd":
             K = config.speculative_config.num_speculative_tokens
             drafter = self._ssd_drafter(config, model, max_model_len)
+        max_draft = config.speculative_config.max_draft_tokens if drafter is not None else 0
         engine = LLMEngine(model, tokenizer, drafter, num_speculative_tokens=K, max_num_seqs=config.max_num_seqs,
-                           max_model_len=max_model_len, seed=config.seed)
+                           max_model_len=max_model_len, seed=config.seed, max_draft_tokens=max_draft,
+                           cuda_graphs=False)
         if self.topo.tp_size > 1:
             engine.target = DriverRunner(use_local_kv_cache(engine.target), self.topo.tp_group)
             send_geometry(self.topo.tp_group, self._device, engine.max_num_seqs, engine.target.kv.max_len)

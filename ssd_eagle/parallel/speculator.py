@@ -36,21 +36,13 @@ SRC = 0
 
 def speculator_settings(config, target_config, dtype: torch.dtype, max_model_len: int,
                         cuda: bool) -> SpeculatorSettings:
-    """The :class:`~ssd_eagle.ssd.worker.SpeculatorSettings` of an SSD :class:`~ssd_eagle.config.EngineConfig`
-    (the same values :func:`ssd_eagle.ssd.build_ssd_drafter` computes; ``device`` is filled in by the speculator
-    rank)."""
-    spec = config.speculative_config
-    K = spec.num_speculative_tokens
-    fanout = spec.resolved_fanout()
-    fanout_miss = spec.resolved_fanout_miss()
-    return SpeculatorSettings(
-        kind=spec.method, num_speculative_tokens=K, fanout=fanout, fanout_miss=fanout_miss, backup=spec.backup,
-        fast_backup_batch=spec.fast_backup_batch, saguaro_c=spec.saguaro_c,
-        prompt_lookup=(spec.prompt_lookup_min, spec.prompt_lookup_max), num_slots=config.max_num_seqs,
-        # path (K + 1) plus K steps of up to max(fanout) branches per outcome
-        max_len=max_model_len + 2 * (K + 1) + K * max(sum(fanout), sum(fanout_miss or fanout)),
-        threads=config.draft_threads, float_dtype=dtype, vocab_size=target_config.get_text_config().vocab_size,
-        dist_backend="nccl" if cuda else "gloo")
+    """:func:`ssd_eagle.ssd.speculator_settings` with the transport of a launch (``device`` is filled in by the
+    speculator rank)."""
+    from ssd_eagle.ssd import speculator_settings as base_settings
+
+    settings = base_settings(config, target_config, dtype, max_model_len)
+    settings.dist_backend = "nccl" if cuda else "gloo"
+    return settings
 
 
 def eagle3_aux_layer_ids(path: str, target_config) -> tuple[int, ...]:

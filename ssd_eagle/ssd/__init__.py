@@ -46,6 +46,22 @@ def ssd_draft_positions(spec) -> int:
     return 2 * (spec.max_draft_tokens + 1) + branches * per_branch + spec.tree_depth * spec.tree_topk
 
 
+def speculator_settings(config, target_config, dtype: torch.dtype, max_model_len: int):
+    """The :class:`~ssd_eagle.ssd.worker.SpeculatorSettings` of an SSD :class:`~ssd_eagle.config.EngineConfig`
+    (device, CPU cores and transport are the caller's to fill in)."""
+    from ssd_eagle.ssd.worker import SpeculatorSettings
+
+    spec = config.speculative_config
+    return SpeculatorSettings(
+        kind=spec.method, num_speculative_tokens=spec.num_speculative_tokens, fanout=spec.resolved_fanout(),
+        fanout_miss=spec.resolved_fanout_miss(), backup=spec.backup, fast_backup_batch=spec.fast_backup_batch,
+        saguaro_c=spec.saguaro_c, prompt_lookup=(spec.prompt_lookup_min, spec.prompt_lookup_max),
+        num_slots=config.max_num_seqs, max_len=max_model_len + ssd_draft_positions(spec),
+        device=config.draft_device, threads=config.draft_threads, float_dtype=dtype,
+        vocab_size=target_config.get_text_config().vocab_size, tree_budget=spec.tree_budget,
+        tree_depth=spec.tree_depth, tree_topk=spec.tree_topk, fanout_power=spec.fanout_power)
+
+
 def build_ssd_drafter(config, target_model, draft=None, max_model_len: int | None = None):
     """The verifier-side SSD drafter for an :class:`~ssd_eagle.config.EngineConfig` (mode ``ssd``).
 
@@ -56,23 +72,12 @@ def build_ssd_drafter(config, target_model, draft=None, max_model_len: int | Non
         max_model_len: longest sequence (default: the target's max positions).
     """
     from ssd_eagle.ssd.client import LocalSpeculator, RemoteSpeculator, SSDDrafter
-    from ssd_eagle.ssd.worker import SpeculatorSettings
 
     spec = config.speculative_config
     draft = draft if draft is not None else load_draft_module(spec, target_model)
     cfg = target_model.config.get_text_config()
     max_len = max_model_len or config.max_model_len or cfg.max_position_embeddings
-    K = spec.num_speculative_tokens
-    fanout = spec.resolved_fanout()
-    settings = SpeculatorSettings(
-        kind=spec.method, num_speculative_tokens=K, fanout=fanout, fanout_miss=spec.resolved_fanout_miss(),
-        backup=spec.backup, fast_backup_batch=spec.fast_backup_batch, saguaro_c=spec.saguaro_c,
-        prompt_lookup=(spec.prompt_lookup_min, spec.prompt_lookup_max), num_slots=config.max_num_seqs,
-        max_len=max_len + ssd_draft_positions(spec),
-        device=config.draft_device, threads=config.draft_threads,
-        float_dtype=next(target_model.parameters()).dtype, vocab_size=cfg.vocab_size,
-        tree_budget=spec.tree_budget, tree_depth=spec.tree_depth, tree_topk=spec.tree_topk,
-        fanout_power=spec.fanout_power)
+    settings = speculator_settings(config, target_model.config, next(target_model.parameters()).dtype, max_len)
     aux_ids = tuple(draft.config.aux_layer_ids) if spec.method == "eagle3" else None
     if spec.speculator == "local":
         speculator = LocalSpeculator(settings, draft)

@@ -33,7 +33,7 @@ class Channel:
     """One end of the verifier <-> speculator link.
 
     Args:
-        peer: the other end's rank in ``group``.
+        peer: the other end's *global* rank (``dist.send`` takes global ranks even with a ``group``).
         group: the process group holding both ends (None: the default group).
         float_dtype: dtype of float payloads (aux states, q).
         device: where buffers live (the process's device; CPU for gloo).
