@@ -66,7 +66,7 @@ def main() -> None:
     configs = {
         "ours AR": lambda p: ours(model, tokenizer, p, args.max_tokens, None, 0),
         "transformers generate": lambda p: transformers_generate(model, p, args.max_tokens, 0),
-        "ours n-gram SD": lambda p: ours(model, tokenizer, p, args.max_tokens, NgramDrafter(1, 3), args.k),
+        "ours n-gram SD": lambda p: ours(model, tokenizer, p, args.max_tokens, NgramDrafter(2, 4), args.k),
         "transformers prompt lookup": lambda p: transformers_generate(model, p, args.max_tokens, args.k),
     }
     for p in prompts[:1]:  # warm-up

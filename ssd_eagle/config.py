@@ -56,7 +56,7 @@ class SpeculativeConfig:
     method: str = "ngram"
     model: str | None = None
     num_speculative_tokens: int = 5
-    prompt_lookup_min: int = 1
+    prompt_lookup_min: int = 2  # a 1-token match is right too rarely to pay for verifying 5 tokens
     prompt_lookup_max: int = 4
     saguaro_c: float = 1.0
     fanout: list[int] = field(default_factory=lambda: [3])
