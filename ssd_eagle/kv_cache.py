@@ -27,7 +27,8 @@ class KVCache:
         num_kv_heads, head_dim: attention geometry.
         max_len: the most positions a slot can ever hold (tokens of the longest sequence plus draft positions).
         dtype, device: of the keys/values (the model's).
-        initial_capacity: positions allocated at first; doubled when a forward needs more.
+        initial_capacity: positions allocated at first; grown by a quarter (in multiples of 256 positions) when a
+            forward needs more, so a large batch does not double its memory for one long sequence.
 
     Raises:
         ValueError: a forward needs more than ``max_len`` positions.
@@ -47,15 +48,16 @@ class KVCache:
         self._batch: ForwardBatch | None = None
 
     def reserve(self, needed: int) -> None:
-        """Make every slot hold at least ``needed`` positions (doubling), keeping the contents."""
+        """Make every slot hold at least ``needed`` positions, keeping the contents.
+
+        Raises:
+            ValueError: ``needed`` exceeds ``max_len``.
+        """
         if needed <= self.capacity:
             return
         if needed > self.max_len:
             raise ValueError(f"a forward needs {needed} cache positions but max_len is {self.max_len}")
-        new_cap = self.capacity
-        while new_cap < needed:
-            new_cap *= 2
-        new_cap = min(new_cap, self.max_len)
+        new_cap = min(-(-max(needed, self.capacity * 5 // 4) // 256) * 256, self.max_len)
         for layer in range(self.num_layers):
             for store in (self.keys, self.values):
                 old = store[layer]
