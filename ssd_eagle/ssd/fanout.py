@@ -13,8 +13,9 @@ with F_0 fixed by the budget. :func:`geometric_fanout` rounds it to integers by 
 sum exactly B). :func:`fit_power_law` estimates r from measured hit rates and :func:`fit_fanout` turns measured
 statistics into a fan-out.
 
-This module is also the one home for the expected-value theory of Saguaro sampling used by training (issue 7):
-:func:`expected_acceptance`, :func:`residual_coverage`, :func:`expected_cache_hit`.
+This module is also the one home for the expected-value theory of Saguaro sampling used by training:
+:func:`expected_acceptance`, :func:`residual_coverage`, :func:`expected_cache_hit`, and
+:func:`nonstall_probability`, the quantity a Saguaro-aware draft is trained to raise.
 """
 
 from __future__ import annotations
@@ -191,3 +192,48 @@ def candidate_set(q: torch.Tensor, drafted: torch.Tensor | None, fanout: int) ->
     top = scores.topk(min(fanout, q.shape[-1]), dim=-1).indices
     return torch.zeros_like(q, dtype=torch.bool).scatter_(-1, top, True) if fanout > 0 else \
         torch.zeros_like(q, dtype=torch.bool)
+
+
+def nonstall_probability(p: torch.Tensor, q: torch.Tensor, c: float, fanout: int) -> torch.Tensor:
+    """P(a round does not stall at a drafted position) under Saguaro sampling, differentiable in q.
+
+    Setting: the speculator drafts ``x ~ q_C = saguaro(q, C, F)`` (top-(F+1) of q scaled by C, renormalised) and
+    caches, as bonus candidates for "rejected here", the top-F tokens of q excluding x. The round does not stall
+    when x is accepted, or when it is rejected and the bonus ``y ~ r = max(p - q_C, 0) / Z`` is cached.
+
+    Derivation. Write ``T_j`` for the top-j tokens of q, ``A = sum_x min(p(x), q_C(x))`` (acceptance) and
+    ``Z = 1 - A = sum_x max(p(x) - q_C(x), 0)`` (the residual's mass). x is rejected with probability
+    ``max(q_C(x) - p(x), 0)`` (joint with drafting x), and then ``r(x) = 0``. If ``x in T_{F+1}`` the cached set is
+    ``T_{F+1} minus {x}``, which carries residual mass ``M_{F+1} = sum_{y in T_{F+1}} max(p(y) - q_C(y), 0)``
+    (x contributes 0); otherwise it is ``T_F``, with mass ``M_F``. Hence
+
+        P_ns = A + (D_in * M_{F+1} + D_out * M_F) / Z,
+        D_in = sum_{x in T_{F+1}} max(q_C(x) - p(x), 0),   D_out = Z - D_in.
+
+    The sets ``T_j`` are piecewise constant in q (no gradient flows through the ranking); everything else is
+    differentiable, and the cost is O(V) per position.
+
+    Args:
+        p, q: [..., V] target and draft distributions (after the same temperature/top-k/top-p).
+        c: Saguaro's C in (0, 1]; fanout: F >= 0.
+
+    Returns:
+        [...] probabilities in [0, 1].
+    """
+    from ssd_eagle.verify import saguaro_scale
+
+    q_c = saguaro_scale(q, c, fanout)
+    order = q.detach().topk(min(fanout + 1, q.shape[-1]), dim=-1).indices
+    in_top1 = torch.zeros_like(q, dtype=torch.bool).scatter_(-1, order, True)  # T_{F+1}
+    in_top = torch.zeros_like(q, dtype=torch.bool).scatter_(-1, order[..., :fanout], True) if fanout > 0 \
+        else torch.zeros_like(q, dtype=torch.bool)  # T_F
+    accept = torch.minimum(p, q_c).sum(dim=-1)
+    excess_p = (p - q_c).clamp(min=0.0)
+    excess_q = (q_c - p).clamp(min=0.0)
+    z = excess_p.sum(dim=-1)
+    d_in = (excess_q * in_top1).sum(dim=-1)
+    d_out = excess_q.sum(dim=-1) - d_in
+    m_top1 = (excess_p * in_top1).sum(dim=-1)
+    m_top = (excess_p * in_top).sum(dim=-1)
+    covered = torch.where(z > 0, (d_in * m_top1 + d_out * m_top) / z.clamp(min=1e-30), torch.zeros_like(z))
+    return accept + covered

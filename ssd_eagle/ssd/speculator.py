@@ -415,9 +415,7 @@ class Speculator:
                 anc[u] = anc[p] + [kv[u]]
             if fan[u] == 0:
                 continue
-            exclude = {proposal.tokens[c - 1] for c in children[u]}
-            order = logits[u].topk(min(fan[u] + len(exclude), logits.shape[-1])).indices.tolist()
-            cands = [t for t in order if t not in exclude][: fan[u]]
+            cands = bonus_candidates(logits[u], {proposal.tokens[c - 1] for c in children[u]}, fan[u])
             seq.candidates[paths[u]] = cands
             for t in cands:
                 branches.append({"key": (paths[u], t), "token": t, "depth": depth[u], "visible": anc[u],
@@ -531,3 +529,13 @@ class Speculator:
 def kv_end(seq: _Seq, offset: int) -> int:
     """First cache position past the committed text and the proposal (where branches are written)."""
     return len(seq.token_ids) - 1 - offset + 1 + len(seq.proposal.tokens)
+
+
+def bonus_candidates(scores: torch.Tensor, exclude: set[int], fanout: int) -> list[int]:
+    """The speculation cache's bonus candidates at a node: the ``fanout`` best tokens of the draft's ``scores``
+    [V] (logits or probabilities), best first, skipping ``exclude`` (the node's children: a bonus equal to one would
+    have been an acceptance)."""
+    if fanout <= 0:
+        return []
+    order = scores.topk(min(fanout + len(exclude), scores.shape[-1])).indices.tolist()
+    return [t for t in order if t not in exclude][:fanout]
