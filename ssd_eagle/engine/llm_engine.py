@@ -145,7 +145,8 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Admit waiting requests, run one round for all running ones, and report every request that advanced."""
         touched = self._admit()
-        live = [s for s in self.running if not s.finished]
+        # in slot order: a batch whose slots form a range reads the cache as views instead of gathering it
+        live = sorted((s for s in self.running if not s.finished), key=lambda s: s.slot)
         if live:
             self._round(live)
             touched.extend(s for s in live if s not in touched)
@@ -163,8 +164,9 @@ class LLMEngine:
             seq.slot = self._free_slots.pop()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
-            self._prefill(seq)
             admitted.append(seq)
+        if admitted:
+            self._prefill(admitted)
         return admitted
 
     def _release(self, seq: Sequence) -> None:
@@ -188,29 +190,43 @@ class LLMEngine:
             return default
 
     # model work
-    def _prefill(self, seq: Sequence) -> None:
+    def _prefill(self, seqs: list[Sequence]) -> None:
+        """Prefill new requests together, ``prefill_chunk`` prompt tokens per row and forward, and sample each
+        one's first token from the target's last prompt logits."""
         start = time.perf_counter()
-        prompt = seq.token_ids
-        aux_chunks = []
-        for lo in range(0, len(prompt), self.prefill_chunk):
-            chunk = prompt[lo: lo + self.prefill_chunk]
-            last = lo + len(chunk) == len(prompt)
-            batch = ForwardBatch.causal([chunk], [seq.slot], [lo], self.target.dtype, self.target.device)
-            index = torch.tensor([[len(chunk) - 1]], device=self.target.device)
-            out = self.target.forward(batch, logits_index=index, capture_aux=self.needs_aux, compute_logits=last)
-            if self.needs_aux:
-                aux_chunks.append(out.aux_hidden[0])
-        seq.num_cached = len(prompt)
-        logits = out.logits[:, 0]  # [1, V]
-        if seq.params.greedy:
-            token = int(logits.argmax(dim=-1))
-        else:
-            probs = logits_to_probs(logits, SamplingTensors.from_params([seq.params], logits.device))
-            token = int(sample(probs, [seq.generator]))
-        self._append(seq, [token], logits)
-        if not seq.finished:
-            self._call_drafter("add_sequence", seq, torch.cat(aux_chunks) if self.needs_aux else None)
-        seq.stats.prefill_time += time.perf_counter() - start
+        done = [0] * len(seqs)
+        aux: list[list[torch.Tensor]] = [[] for _ in seqs]
+        last_logits: list[torch.Tensor | None] = [None] * len(seqs)
+        while True:
+            rows = [i for i, s in enumerate(seqs) if done[i] < len(s.token_ids)]
+            if not rows:
+                break
+            chunks = [seqs[i].token_ids[done[i]: done[i] + self.prefill_chunk] for i in rows]
+            finishing = [done[i] + len(c) == len(seqs[i].token_ids) for i, c in zip(rows, chunks)]
+            batch = ForwardBatch.causal(chunks, [seqs[i].slot for i in rows], [done[i] for i in rows],
+                                        self.target.dtype, self.target.device)
+            index = torch.tensor([[len(c) - 1] for c in chunks], device=self.target.device)
+            out = self.target.forward(batch, logits_index=index, capture_aux=self.needs_aux,
+                                      compute_logits=any(finishing))
+            for j, (i, c) in enumerate(zip(rows, chunks)):
+                if self.needs_aux:
+                    aux[i].append(out.aux_hidden[j, : len(c)])
+                if finishing[j]:
+                    last_logits[i] = out.logits[j, 0]
+                done[i] += len(c)
+        elapsed = time.perf_counter() - start
+        for seq, logits, row_aux in zip(seqs, last_logits, aux):
+            seq.num_cached = len(seq.token_ids)
+            logits = logits[None]  # [1, V]
+            if seq.params.greedy:
+                token = int(logits.argmax(dim=-1))
+            else:
+                probs = logits_to_probs(logits, SamplingTensors.from_params([seq.params], logits.device))
+                token = int(sample(probs, [seq.generator]))
+            self._append(seq, [token], logits)
+            if not seq.finished:
+                self._call_drafter("add_sequence", seq, torch.cat(row_aux) if self.needs_aux else None)
+            seq.stats.prefill_time += elapsed
 
     def _draft_budget(self, seq: Sequence) -> int:
         room = min(seq.params.max_tokens - seq.num_output_tokens, self.max_model_len - len(seq.token_ids))
