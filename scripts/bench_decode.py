@@ -28,9 +28,11 @@ from ssd_eagle.prompts import heldout_prompts
 from ssd_eagle.sampling_params import SamplingParams
 
 
-def ours(model, tokenizer, prompt, max_tokens, drafter, k):
+def ours(model, tokenizer, prompt, max_tokens, drafter, k, compiled=None):
     engine = LLMEngine(model, tokenizer, drafter, num_speculative_tokens=k, max_num_seqs=1,
-                       max_model_len=len(prompt) + max_tokens + 8)
+                       max_model_len=4096)
+    if compiled is not None:  # share one compiled body across engines (compile once per shape)
+        engine.target.body = compiled
     engine.add_request("r", prompt, SamplingParams(temperature=0.0, max_tokens=max_tokens))
     start = time.perf_counter()
     while engine.has_unfinished():
@@ -57,18 +59,30 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--k", type=int, default=5, help="draft tokens per round (both n-gram implementations)")
+    ap.add_argument("--compile", action="store_true",
+                    help="also time our loops with torch.compile (compilation excluded: it happens in the warm-up)")
     args = ap.parse_args()
 
     torch.set_num_threads(args.threads)
     model, tokenizer = load_model(args.model)
     prompts = [render_chat(tokenizer, p["messages"])
                for split in ("mtbench", "humaneval") for p in heldout_prompts(split)[: args.prompts]]
+    compiled = None
+    if args.compile:
+        import torch._dynamo
+
+        torch._dynamo.config.cache_size_limit = 64
+        compiled = torch.compile(model.get_decoder(), dynamic=True)
     configs = {
         "ours AR": lambda p: ours(model, tokenizer, p, args.max_tokens, None, 0),
         "transformers generate": lambda p: transformers_generate(model, p, args.max_tokens, 0),
         "ours n-gram SD": lambda p: ours(model, tokenizer, p, args.max_tokens, NgramDrafter(2, 4), args.k),
         "transformers prompt lookup": lambda p: transformers_generate(model, p, args.max_tokens, args.k),
     }
+    if compiled is not None:
+        configs["ours AR (torch.compile)"] = lambda p: ours(model, tokenizer, p, args.max_tokens, None, 0, compiled)
+        configs["ours n-gram SD (torch.compile)"] = lambda p: ours(model, tokenizer, p, args.max_tokens,
+                                                                   NgramDrafter(2, 4), args.k, compiled)
     for p in prompts[:1]:  # warm-up
         for run in configs.values():
             run(p)
@@ -102,6 +116,11 @@ def main() -> None:
     print(f"ratio ours n-gram SD / transformers prompt lookup: "
           f"{med['ours n-gram SD'] / med['transformers prompt lookup']:.3f}")
     print(f"ratio ours n-gram SD / ours AR:                  {med['ours n-gram SD'] / med['ours AR']:.3f}")
+    if compiled is not None:
+        print(f"ratio ours AR (torch.compile) / transformers generate: "
+              f"{med['ours AR (torch.compile)'] / med['transformers generate']:.3f}")
+        print(f"ratio ours n-gram SD (torch.compile) / transformers prompt lookup: "
+              f"{med['ours n-gram SD (torch.compile)'] / med['transformers prompt lookup']:.3f}")
     print(f"outputs differing from ours AR (greedy; float32 near-ties can differ): {mismatches}")
 
 

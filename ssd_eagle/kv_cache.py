@@ -97,6 +97,13 @@ class KVCache:
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self._batch.kv_len if self._batch is not None else 0
 
+    # used by transformers' mask creation when a forward passes no mask (see ForwardBatch.maskless)
+    def get_query_offset(self, layer_idx: int = 0) -> int:
+        return self._batch.kv_len - self._batch.input_ids.shape[1]
+
+    def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
+        return self._batch.kv_len, 0
+
     # cache maintenance
     def compact(self, slot: int, src_positions: torch.Tensor, dst_start: int) -> None:
         """Move positions ``src_positions`` (int64 [m], ascending) of ``slot`` to ``dst_start .. dst_start+m-1``
@@ -125,6 +132,7 @@ class ForwardBatch:
         slot_range: (lo, hi) when ``slots`` is ``lo..hi-1`` ascending, so reads are views, not gathers.
         contiguous_write: (slot, start) when B == 1 and the row writes ``start .. start+n-1``.
         num_tokens: real (unpadded) tokens per row, python ints.
+        causal: plain causal visibility (see :attr:`maskless`).
     """
 
     input_ids: torch.Tensor
@@ -136,10 +144,22 @@ class ForwardBatch:
     slot_range: tuple[int, int] | None
     contiguous_write: tuple[int, int] | None
     num_tokens: list[int]
+    causal: bool = False  # built by :meth:`causal` (plain causal visibility)
 
     @property
     def max_write_position(self) -> int:
         return int(self.write_positions.max())
+
+    @property
+    def maskless(self) -> bool:
+        """One row of plain causal attention that SDPA can do without a mask: a single new token attending to the
+        whole cached prefix, or a whole prompt from position 0 (transformers then uses SDPA's own causal modes,
+        which are faster and skip repeating grouped key/value heads)."""
+        if self.contiguous_write is None or self.input_ids.shape[0] != 1:
+            return False
+        n = self.input_ids.shape[1]
+        return self.kv_len == self.contiguous_write[1] + n and (n == 1 or self.contiguous_write[1] == 0) \
+            and self.causal
 
     @classmethod
     def causal(cls, tokens: list[list[int]], slots: list[int], starts: list[int], dtype: torch.dtype,
@@ -159,7 +179,9 @@ class ForwardBatch:
         positions = start[:, None] + torch.arange(n)[None, :]
         kv_len = int(positions.max()) + 1
         visible = torch.arange(kv_len)[None, None, :] <= positions[:, :, None]
-        return cls.build(ids, positions, positions, slots, visible, dtype, device, num)
+        batch = cls.build(ids, positions, positions, slots, visible, dtype, device, num)
+        batch.causal = True
+        return batch
 
     @classmethod
     def tree(cls, roots: list[int], nodes: list[list[int]], parents: list[list[int]], slots: list[int],

@@ -63,10 +63,14 @@ class ModelRunner:
         num_slots: concurrent sequences.
         max_len: positions per slot (sequence length plus draft/tree positions).
         aux_layer_ids: capture these aux hidden states when a forward asks for them (None: no hooks).
+        compile: run the decoder body through ``torch.compile`` (inductor, dynamic shapes). On one CPU core it
+            cuts a SmolLM2 decode step from ~70 to ~50 ms, at the price of about a minute of compilation per new
+            input shape (cached on disk by inductor).
     """
 
     def __init__(self, model: nn.Module, num_slots: int, max_len: int,
-                 aux_layer_ids: tuple[int, ...] | None = None, initial_capacity: int = 256):
+                 aux_layer_ids: tuple[int, ...] | None = None, initial_capacity: int = 256,
+                 compile: bool = False):
         self.model = model.eval()
         self.config = model.config
         self.body = model.get_decoder()
@@ -88,6 +92,11 @@ class ModelRunner:
         self._captured: dict[int, torch.Tensor] | None = None
         if self.aux_layer_ids is not None:
             self._install_aux_hooks(self.aux_layer_ids)
+        if compile:
+            import torch._dynamo
+
+            torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+            self.body = torch.compile(self.body, dynamic=True)
 
     def _install_aux_hooks(self, ids: tuple[int, ...]) -> None:
         if len(set(ids)) != len(ids) or min(ids) < 0 or max(ids) > self.num_layers:
@@ -124,7 +133,7 @@ class ModelRunner:
         self._captured = {} if capture_aux else None
         try:
             out = self.body(input_ids=batch.input_ids, position_ids=batch.position_ids,
-                            attention_mask=batch.attn_mask, use_cache=True,
+                            attention_mask=None if batch.maskless else batch.attn_mask, use_cache=True,
                             **{self._cache_kwarg: self.kv.bind(batch)})
             aux = torch.cat([self._captured[i] for i in self.aux_layer_ids], dim=-1) if capture_aux else None
         finally:

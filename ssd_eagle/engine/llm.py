@@ -124,4 +124,4 @@ def build_engine(config: EngineConfig) -> LLMEngine:
     max_draft = config.speculative_config.max_draft_tokens if drafter is not None else 0
     return LLMEngine(model, tokenizer, drafter, num_speculative_tokens=K, max_num_seqs=config.max_num_seqs,
                      max_model_len=max_model_len, seed=config.seed, max_draft_tokens=max_draft,
-                     cuda_graphs=not config.eager)
+                     cuda_graphs=not config.eager, compile=config.compile)

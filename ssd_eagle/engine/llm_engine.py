@@ -52,12 +52,13 @@ class LLMEngine:
         max_draft_tokens: most draft tokens (tree nodes) in one proposal (default: K).
         cuda_graphs: on a CUDA target, capture verification forwards as CUDA graphs (``--eager`` turns them off;
             see :mod:`ssd_eagle.cuda_graphs`). Ignored on CPU.
+        compile: ``torch.compile`` the target's decoder body (see :class:`~ssd_eagle.model_runner.ModelRunner`).
     """
 
     def __init__(self, model, tokenizer, drafter: Drafter | None = None, num_speculative_tokens: int = 5,
                  max_num_seqs: int = 8, max_model_len: int | None = None, eos_token_ids: set[int] | None = None,
                  seed: int = 0, prefill_chunk: int = 512, max_draft_tokens: int | None = None,
-                 cuda_graphs: bool = True):
+                 cuda_graphs: bool = True, compile: bool = False):
         from ssd_eagle.assets import eos_token_ids as model_eos_ids
 
         self.tokenizer = tokenizer
@@ -73,7 +74,8 @@ class LLMEngine:
         aux_ids = getattr(drafter, "aux_layer_ids", None) if drafter is not None and drafter.needs_aux_hidden \
             else None
         # one slot more than sequences: the scratch row of fixed-shape (CUDA-graph) batches
-        self.target = ModelRunner(model, max_num_seqs + 1, self.max_model_len + self.max_draft_tokens + 1, aux_ids)
+        self.target = ModelRunner(model, max_num_seqs + 1, self.max_model_len + self.max_draft_tokens + 1, aux_ids,
+                                  compile=compile)
         self.needs_aux = aux_ids is not None
         self.static = None
         if cuda_graphs and self.target.device.type == "cuda":
