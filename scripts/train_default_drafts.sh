@@ -5,7 +5,7 @@
 #   3. the EAGLE-3 head and the draft LM, trained with DeepSpeed (CPU: gloo; GPUs: unchanged)
 #   4. exports into drafts/ (bf16; the draft LM compact: its trained tensors only) and a tau estimate of each
 # Needs data/smollm2-135m/regenerated.jsonl.gz (scripts/regenerate_data.py). Extra arguments go to both training
-# runs (e.g. --max_steps 200). NUM_GPUS (default 1) ranks per run.
+# runs (e.g. --max_steps 200). NUM_GPUS (default 1) ranks per run; PARALLEL=1 trains both drafts at once.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -21,8 +21,14 @@ FEATURES=runs/features/smollm2-135m
     --batch-size 20
 [ -f "$FEATURES/index-rank0.json" ] || deepspeed --num_gpus "$NUM_GPUS" train/precompute_features.py --config "$EAGLE"
 
-deepspeed --num_gpus "$NUM_GPUS" train/train_draft.py --config "$EAGLE" "$@"
-deepspeed --num_gpus "$NUM_GPUS" train/train_draft.py --config "$DRAFTLM" "$@"
+if [ "${PARALLEL:-0}" = 1 ]; then  # both runs at once, one thread each (a 2-core CPU)
+  deepspeed --num_gpus "$NUM_GPUS" --master_port 29701 train/train_draft.py --config "$EAGLE" --num_threads 1 "$@" &
+  deepspeed --num_gpus "$NUM_GPUS" --master_port 29702 train/train_draft.py --config "$DRAFTLM" --num_threads 1 "$@" &
+  wait %1 && wait %2
+else
+  deepspeed --num_gpus "$NUM_GPUS" train/train_draft.py --config "$EAGLE" "$@"
+  deepspeed --num_gpus "$NUM_GPUS" train/train_draft.py --config "$DRAFTLM" "$@"
+fi
 
 python -m train.export runs/smollm2-135m-eagle3 drafts/smollm2-135m-eagle3 --dtype bfloat16
 python -m train.export runs/smollm2-135m-draftlm drafts/smollm2-135m-draftlm --dtype bfloat16 --compact
