@@ -2,16 +2,18 @@
 # Reproduce the default drafts of SmolLM2-135M-Instruct (configs/smollm2-135m-{eagle3,draftlm}.yaml):
 #   1. held-out MT-Bench text answered greedily by the target (for the teacher-forced tau estimate)
 #   2. the target's features, computed once (offline mode; shared by both drafts)
-#   3. the EAGLE-3 head and the draft LM, trained with DeepSpeed (CPU: gloo; GPUs: unchanged)
+#   3. the EAGLE-3 head, the Saguaro-aware EAGLE-3 head (issue 7) and the draft LM, trained with DeepSpeed
+#      (CPU: gloo; GPUs: unchanged)
 #   4. exports into drafts/ (bf16; the draft LM compact: its trained tensors only) and a tau estimate of each
 # Needs data/smollm2-135m/regenerated.jsonl.gz (scripts/regenerate_data.py). Extra arguments go to both training
-# runs (e.g. --max_steps 200). NUM_GPUS (default 1) ranks per run; PARALLEL=1 trains both drafts at once.
+# runs (e.g. --max_steps 200). NUM_GPUS (default 1) ranks per run; PARALLEL=1 trains the three drafts at once.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 NUM_GPUS=${NUM_GPUS:-1}
 EAGLE=configs/smollm2-135m-eagle3.yaml
 DRAFTLM=configs/smollm2-135m-draftlm.yaml
+SAGUARO=configs/smollm2-135m-eagle3-saguaro.yaml
 DATA=data/smollm2-135m/regenerated.jsonl.gz
 HELDOUT=runs/heldout/mtbench-smollm2-135m.jsonl
 FEATURES=runs/features/smollm2-135m
@@ -21,17 +23,21 @@ FEATURES=runs/features/smollm2-135m
     --batch-size 20
 [ -f "$FEATURES/index-rank0.json" ] || deepspeed --num_gpus "$NUM_GPUS" train/precompute_features.py --config "$EAGLE"
 
-if [ "${PARALLEL:-0}" = 1 ]; then  # both runs at once, one thread each (a 2-core CPU)
+if [ "${PARALLEL:-0}" = 1 ]; then  # all runs at once, one thread each (a small CPU)
   deepspeed --num_gpus "$NUM_GPUS" --master_port 29701 train/train_draft.py --config "$EAGLE" --num_threads 1 "$@" &
   deepspeed --num_gpus "$NUM_GPUS" --master_port 29702 train/train_draft.py --config "$DRAFTLM" --num_threads 1 "$@" &
-  wait %1 && wait %2
+  deepspeed --num_gpus "$NUM_GPUS" --master_port 29703 train/train_draft.py --config "$SAGUARO" --num_threads 1 "$@" &
+  wait %1 && wait %2 && wait %3
 else
-  deepspeed --num_gpus "$NUM_GPUS" train/train_draft.py --config "$EAGLE" "$@"
-  deepspeed --num_gpus "$NUM_GPUS" train/train_draft.py --config "$DRAFTLM" "$@"
+  for cfg in "$EAGLE" "$DRAFTLM" "$SAGUARO"; do
+    deepspeed --num_gpus "$NUM_GPUS" train/train_draft.py --config "$cfg" "$@"
+  done
 fi
 
 python -m train.export runs/smollm2-135m-eagle3 drafts/smollm2-135m-eagle3 --dtype bfloat16
 python -m train.export runs/smollm2-135m-draftlm drafts/smollm2-135m-draftlm --dtype bfloat16 --compact
+python -m train.export runs/smollm2-135m-eagle3-saguaro drafts/smollm2-135m-eagle3-saguaro --dtype bfloat16
 
 python -m train.heldout estimate --draft drafts/smollm2-135m-eagle3 --heldout "$HELDOUT" --k 7
 python -m train.heldout estimate --draft drafts/smollm2-135m-draftlm --heldout "$HELDOUT" --k 7
+python -m train.heldout estimate --draft drafts/smollm2-135m-eagle3-saguaro --heldout "$HELDOUT" --k 7

@@ -308,12 +308,16 @@ def test_yaml_and_command_line_overrides(tmp_path):
 
 
 def test_shipped_configs_parse():
-    for name in ("smollm2-135m-eagle3.yaml", "smollm2-135m-draftlm.yaml"):
+    for name in ("smollm2-135m-eagle3.yaml", "smollm2-135m-draftlm.yaml", "smollm2-135m-eagle3-saguaro.yaml"):
         cfg = load_config(REPO / "configs" / name)
         assert cfg.data and cfg.output_dir
     eagle = load_config(REPO / "configs" / "smollm2-135m-eagle3.yaml")
     assert eagle.draft == "eagle3" and eagle.ttt_steps == 7 and eagle.ttt_decay == 0.8
     assert (eagle.adam_beta1, eagle.adam_beta2, eagle.grad_clip, eagle.dtype) == (0.9, 0.95, 0.5, "float32")
+    saguaro = load_config(REPO / "configs" / "smollm2-135m-eagle3-saguaro.yaml")
+    same = {k: v for k, v in saguaro.to_dict().items() if not k.startswith("saguaro") and k != "output_dir"}
+    assert same == {k: v for k, v in eagle.to_dict().items() if not k.startswith("saguaro") and k != "output_dir"}
+    assert (saguaro.saguaro_c, saguaro.saguaro_fanout, eagle.saguaro_c) == (0.7, 3, None)
 
 
 def test_deepspeed_config_auto_values(tmp_path):

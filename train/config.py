@@ -66,6 +66,10 @@ class TrainConfig:
         draft_vocab_size: rows of the head's ``lm_head`` (the most frequent loss-masked target tokens).
         aux_layer_ids: input-of-layer ids (NOTES section 2); None: ``(2, L//2, L-3)``.
         ttt_steps, ttt_decay: training-time-test unroll length and per-step loss weight ``decay**i``.
+        saguaro_c: train a Saguaro-aware head for Saguaro sampling with this C in (0, 1] (None: plain head);
+            saguaro_fanout: the F it is trained for (cached bonus candidates per position); saguaro_weight: weight
+            of ``-log P_ns`` against the cross-entropy; saguaro_temperature: the serving temperature it targets
+            (:class:`train.ttt.SaguaroObjective`). The exported head records (C, F).
 
     Draft LM:
         draft_lm_layers: target layers the draft keeps.
@@ -106,6 +110,10 @@ class TrainConfig:
     aux_layer_ids: list[int] | None = None
     ttt_steps: int = 7
     ttt_decay: float = 0.8
+    saguaro_c: float | None = None
+    saguaro_fanout: int = 3
+    saguaro_weight: float = 1.0
+    saguaro_temperature: float = 1.0
 
     draft_lm_layers: int = 2
 
@@ -168,6 +176,16 @@ class TrainConfig:
             problems.append(f"epochs must be > 0, got {self.epochs}")
         if not 0 < self.ttt_decay <= 1:
             problems.append(f"ttt_decay must be in (0, 1], got {self.ttt_decay}")
+        if self.saguaro_c is not None:
+            if self.draft != "eagle3":
+                problems.append(f"saguaro_c (a Saguaro-aware objective) needs draft 'eagle3', got {self.draft!r}")
+            if not 0 < self.saguaro_c <= 1:
+                problems.append(f"saguaro_c must be in (0, 1] or None, got {self.saguaro_c}")
+            if self.saguaro_fanout < 0:
+                problems.append(f"saguaro_fanout must be >= 0, got {self.saguaro_fanout}")
+            if self.saguaro_weight < 0 or self.saguaro_temperature <= 0:
+                problems.append("saguaro_weight must be >= 0 and saguaro_temperature > 0, got "
+                                f"{self.saguaro_weight} and {self.saguaro_temperature}")
         if not 0 <= self.min_lr_ratio <= 1:
             problems.append(f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
         if self.lr <= 0 or self.grad_clip < 0 or self.weight_decay < 0:

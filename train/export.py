@@ -136,6 +136,12 @@ def model_card(kind: str, name: str, target: str, state: dict, train_cfg: dict, 
                   f"- aux hidden states: layers {list(aux_layer_ids or [])}, **input-of-layer** convention "
                   "(`hidden_states[i]` of transformers; vLLM's reading of `eagle_aux_hidden_state_layer_ids`)",
                   "- token embeddings: shared with the target (not stored)", ""]
+        if train_cfg.get("saguaro_c") is not None:
+            c, f = train_cfg["saguaro_c"], train_cfg.get("saguaro_fanout")
+            lines += [f"**Saguaro-aware**: trained for Saguaro sampling with C = {c}, F = {f} (an extra loss term "
+                      f"rewards rounds that do not stall, weight {train_cfg.get('saguaro_weight')}, temperature "
+                      f"{train_cfg.get('saguaro_temperature')}); `config.json` records them under `ssd_eagle`. "
+                      f"Serve it with `\"saguaro_c\": {c}, \"fanout\": [{f}]`; ssd-eagle warns on other values.", ""]
         lines += ["## Use", "", "```python",
                   "# vLLM",
                   f"LLM(model=\"{target}\", speculative_config={{\"method\": \"eagle3\", \"model\": \"<this repo>\", "

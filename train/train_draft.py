@@ -39,6 +39,7 @@ from train import checkpoint as ckpt
 from train.config import TrainConfig, deepspeed_config, parse_args, save_config, zero_stage
 from train.ttt import (
     AcceptanceStats,
+    SaguaroObjective,
     draft_lm_hits,
     draft_targets,
     eagle3_hits,
@@ -55,15 +56,16 @@ EVAL_NUM_DRAFT = 7  # drafts per round in the held-out chain simulation (the eng
 class Eagle3Trainable(nn.Module):
     """The EAGLE-3 head plus its TTT loss; ``forward`` returns a :class:`train.ttt.TTTOutput`."""
 
-    def __init__(self, head, num_steps: int, decay: float):
+    def __init__(self, head, num_steps: int, decay: float, saguaro: SaguaroObjective | None = None):
         super().__init__()
         self.head = head
         self.num_steps = num_steps
         self.decay = decay
+        self.saguaro = saguaro
 
     def forward(self, input_ids, loss_mask, aux_hidden, targets, num_steps: int | None = None):
         return ttt_loss(self.head, input_ids, loss_mask, aux_hidden, targets, num_steps or self.num_steps,
-                        self.decay)
+                        self.decay, self.saguaro)
 
 
 class DraftLMTrainable(nn.Module):
@@ -315,13 +317,18 @@ class Trainer:
                 config = Eagle3Config.from_target(self.target.config, cfg.draft_vocab_size, self.aux_layer_ids,
                                                   torch_dtype=cfg.dtype)
                 self.vocab_coverage = float(counts[t2d].sum() / counts.sum().clamp_min(1))
+            saguaro = None
+            if cfg.saguaro_c is not None:  # the exported head records the (C, F) it was trained for
+                saguaro = SaguaroObjective(cfg.saguaro_c, cfg.saguaro_fanout, cfg.saguaro_weight,
+                                           cfg.saguaro_temperature)
+                config.saguaro_c, config.saguaro_fanout = cfg.saguaro_c, cfg.saguaro_fanout
             config.validate_against_target(self.target.config)
             head = Eagle3DraftModel(config, attn_implementation=cfg.attn_implementation).to(self.dtype)
             head.set_vocab_mapping(d2t, t2d)
             head.set_embeddings(self.target_embed)
             head.to(self.device)
             self.head = head
-            return Eagle3Trainable(head, cfg.ttt_steps, cfg.ttt_decay)
+            return Eagle3Trainable(head, cfg.ttt_steps, cfg.ttt_decay, saguaro)
         from train.draft_lm import DraftLMBody
 
         if self.snapshot and self.snapshot["config"]["num_hidden_layers"] != cfg.draft_lm_layers:
@@ -379,6 +386,7 @@ class Trainer:
             out = self.engine(batch.input_ids, batch.loss_mask, batch.aux_hidden.to(self.dtype), targets,
                               num_steps)
             hits = eagle3_hits(out.draft_argmax, self.head.draft_target_ids, batch.input_ids)
+            self.last_nonstall = out.step_nonstall  # summed P_ns per step (Saguaro-aware objective), or None
             return out.loss, out.step_loss, out.step_correct, out.step_count, hits
         embeds = self.target_embed(batch.input_ids).detach()
         loss, argmax, valid = self.engine(embeds, batch.last_hidden, batch.loss_mask, self.lm_head_weight)
@@ -475,7 +483,8 @@ class Trainer:
                    disable=not (cfg.progress and self.rank == 0), dynamic_ncols=True)
         window = {"loss": 0.0, "micro": 0, "ce": torch.zeros(k, dtype=torch.float64),
                   "correct": torch.zeros(k, dtype=torch.float64), "count": torch.zeros(k, dtype=torch.float64),
-                  "tokens": 0, "train_s": 0.0}
+                  "nonstall": torch.zeros(k, dtype=torch.float64), "tokens": 0, "train_s": 0.0}
+        self.last_nonstall = None
         start_elapsed, t_start = self.state["elapsed_s"], time.perf_counter()
         metrics = self.state.get("last_metrics") or {}
         self.engine.train()
@@ -493,6 +502,8 @@ class Trainer:
             window["ce"] += (step_loss.double() * count.double()).cpu()
             window["correct"] += correct.double().cpu()
             window["count"] += count.double().cpu()
+            if self.last_nonstall is not None:
+                window["nonstall"] += self.last_nonstall.double().cpu()
             window["tokens"] += batch.num_tokens
             if self.state["micro_step"] % ga:
                 continue
@@ -502,9 +513,10 @@ class Trainer:
             last = step == self.total_steps
             if step % cfg.log_every == 0 or last:
                 sums = _all_reduce([window["loss"], window["micro"], window["tokens"], *window["ce"].tolist(),
-                                    *window["correct"].tolist(), *window["count"].tolist()])
+                                    *window["correct"].tolist(), *window["count"].tolist(),
+                                    *window["nonstall"].tolist()])
                 dt = float(_all_reduce([window["train_s"]], dist.ReduceOp.MAX)[0])
-                ce, cor, cnt = sums[3:3 + k], sums[3 + k:3 + 2 * k], sums[3 + 2 * k:]
+                ce, cor, cnt = sums[3:3 + k], sums[3 + k:3 + 2 * k], sums[3 + 2 * k:3 + 3 * k]
                 self.state["tokens"] += int(sums[2])
                 grad_norm = self.engine.get_global_grad_norm()
                 metrics = {
@@ -516,6 +528,8 @@ class Trainer:
                     "tokens": self.state["tokens"], "tokens_per_s": sums[2].item() / max(dt, 1e-9),  # compute time
                     "elapsed_s": start_elapsed + time.perf_counter() - t_start,
                 }
+                if cfg.saguaro_c is not None:
+                    metrics["step_nonstall"] = (sums[3 + 3 * k:] / cnt.clamp_min(1)).tolist()
                 self._log(metrics)
                 self.state["last_metrics"] = metrics
                 bar.set_postfix(loss=f"{metrics['loss']:.3f}", acc0=f"{metrics['step_acc'][0]:.3f}",

@@ -18,6 +18,17 @@ Loss: ``sum_i decay**i * CE_i`` with ``CE_i`` the mean soft cross-entropy betwee
 draft vocabulary (renormalised) and the head's distribution, over the valid positions of step ``i``: the chain's
 predicted tokens ``x_{t+2} .. x_{t+2+i}`` all lie in one assistant span (``loss_mask``) and the target's argmax at
 ``t+1+i`` is in the draft vocabulary.
+
+Saguaro-aware objective (:class:`SaguaroObjective`, issue 7). Serving with Saguaro sampling ``(C, F)``, a round
+stalls at a drafted position when the draft token is rejected and the bonus token drawn from the residual
+``norm(max(p - q_C, 0))`` is not among the top-F candidates the speculator cached. The probability that it does not
+stall, ``P_ns(p, q; C, F)``, has a closed form that is differentiable in q
+(:func:`ssd_eagle.ssd.fanout.nonstall_probability`, derivation there). The objective adds, at every valid position of
+step ``i``, ``weight * decay**i * -log P_ns(p_T, q_T; C, F)`` with ``p_T``, ``q_T`` the target's and the head's
+distributions over the draft vocabulary at the serving temperature ``T`` (``p_T = norm(p^(1/T))`` is the tempered
+target restricted to the draft vocabulary, exactly). The cross-entropy term keeps q close to p (tau), the non-stall
+term shapes where q's top-(F+1) and its residual fall (cache hits). Approximation: the target's mass outside the
+draft vocabulary (a few percent) is left out of ``p``, as in the cross-entropy.
 """
 
 from __future__ import annotations
@@ -207,6 +218,31 @@ def draft_targets(last_hidden: torch.Tensor, lm_head_weight: torch.Tensor, draft
 # ----------------------------------------------------------------------------------------------------------------
 # loss
 
+@dataclass(frozen=True)
+class SaguaroObjective:
+    """The Saguaro-aware term of the TTT loss (module docstring).
+
+    Attributes:
+        c: Saguaro's scale C in (0, 1]; fanout: F >= 0, the cached bonus candidates per position.
+        weight: multiplier of ``-log P_ns`` against the cross-entropy; temperature: the serving temperature T > 0.
+    """
+
+    c: float
+    fanout: int
+    weight: float = 1.0
+    temperature: float = 1.0
+
+    def stall_loss(self, logits: torch.Tensor, p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(-log P_ns [m], P_ns [m] detached)`` for head logits [m, D] and the target's p [m, D] (T = 1)."""
+        from ssd_eagle.ssd.fanout import nonstall_probability
+
+        t = self.temperature
+        q = torch.softmax(logits / t, dim=-1)
+        p_t = p if t == 1.0 else torch.softmax(torch.log(p.clamp_min(1e-30)) / t, dim=-1)
+        ns = nonstall_probability(p_t, q, self.c, self.fanout)
+        return -torch.log(ns.clamp_min(1e-6)), ns.detach()
+
+
 @dataclass
 class TTTOutput:
     """What one TTT forward returns.
@@ -218,6 +254,8 @@ class TTTOutput:
         step_count: float [K], valid positions per step.
         draft_argmax: int64 [K, B, n] draft ids of each step's argmax (for acceptance estimates); -1 where no
             logits were computed.
+        step_nonstall: float [K], summed ``P_ns`` over the valid positions of each step (with a
+            :class:`SaguaroObjective`; None without).
     """
 
     loss: torch.Tensor
@@ -225,6 +263,7 @@ class TTTOutput:
     step_correct: torch.Tensor
     step_count: torch.Tensor
     draft_argmax: torch.Tensor = field(repr=False)
+    step_nonstall: torch.Tensor | None = None
 
 
 class _SoftCrossEntropy(torch.autograd.Function):
@@ -251,7 +290,8 @@ def soft_cross_entropy(logits: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
 
 
 def ttt_loss(head, input_ids: torch.Tensor, loss_mask: torch.Tensor, aux_hidden: torch.Tensor,
-             targets: DraftTargets, num_steps: int, decay: float) -> TTTOutput:
+             targets: DraftTargets, num_steps: int, decay: float,
+             saguaro: SaguaroObjective | None = None) -> TTTOutput:
     """Unroll ``num_steps`` and compute the weighted loss and per-step accuracy (module docstring).
 
     Steps >= 1 run only at positions whose chain of two or more drafts lies in an assistant span, and logits are
@@ -261,11 +301,12 @@ def ttt_loss(head, input_ids: torch.Tensor, loss_mask: torch.Tensor, aux_hidden:
     Args:
         input_ids: int64 [B, n]; loss_mask: [B, n] 0/1 (``loss_mask[t] = 1``: ``x_t`` is an assistant token);
         aux_hidden: [B, n, 3 * H_target]; targets: :func:`draft_targets` of the same sequence.
+        saguaro: add the Saguaro-aware non-stall term (module docstring).
     """
     chains = chain_masks(loss_mask, num_steps)
     outs = ttt_unroll(head, input_ids, aux_hidden, num_steps, keep=chains[1] if num_steps > 1 else None)
     total = aux_hidden.new_zeros((), dtype=torch.float32)
-    step_loss, step_correct, step_count, argmaxes = [], [], [], []
+    step_loss, step_correct, step_count, argmaxes, step_nonstall = [], [], [], [], []
     for i, out in enumerate(outs):
         b_idx, l_idx = (out.valid & chains[i].gather(1, out.positions)).nonzero(as_tuple=True)
         t_idx = out.positions[b_idx, l_idx]
@@ -276,6 +317,10 @@ def ttt_loss(head, input_ids: torch.Tensor, loss_mask: torch.Tensor, aux_hidden:
         ce = soft_cross_entropy(logits, targets.p[b_idx, s_idx])
         mean = (ce * valid).sum() / count.clamp_min(1)
         total = total + (decay ** i) * mean
+        if saguaro is not None:
+            stall, ns = saguaro.stall_loss(logits, targets.p[b_idx, s_idx])
+            total = total + (decay ** i) * saguaro.weight * (stall * valid).sum() / count.clamp_min(1)
+            step_nonstall.append((ns * valid).sum())
         pred = logits.detach().argmax(-1)
         full = torch.full_like(input_ids, -1)
         full[b_idx, t_idx] = pred
@@ -284,7 +329,8 @@ def ttt_loss(head, input_ids: torch.Tensor, loss_mask: torch.Tensor, aux_hidden:
         step_correct.append(((pred == targets.argmax_draft[b_idx, s_idx]) & valid).sum().float())
         step_count.append(count.float())
     return TTTOutput(loss=total, step_loss=torch.stack(step_loss), step_correct=torch.stack(step_correct),
-                     step_count=torch.stack(step_count), draft_argmax=torch.stack(argmaxes))
+                     step_count=torch.stack(step_count), draft_argmax=torch.stack(argmaxes),
+                     step_nonstall=torch.stack(step_nonstall) if saguaro is not None else None)
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -2,11 +2,27 @@
 
 from __future__ import annotations
 
+import logging
+
 from ssd_eagle.drafters.base import Drafter, Proposal, SaguaroSampling
 from ssd_eagle.drafters.draft_model import DraftModelDrafter
 from ssd_eagle.drafters.ngram import NgramDrafter
 
-__all__ = ["Drafter", "Proposal", "SaguaroSampling", "NgramDrafter", "DraftModelDrafter", "build_drafter"]
+__all__ = ["Drafter", "Proposal", "SaguaroSampling", "NgramDrafter", "DraftModelDrafter", "build_drafter",
+           "warn_saguaro_mismatch"]
+
+logger = logging.getLogger(__name__)
+
+
+def warn_saguaro_mismatch(head, spec) -> str | None:
+    """Log a warning when an EAGLE-3 head trained for Saguaro (C, F) is served with other values (issue 7).
+
+    Returns the warning (None when the head is plain or the values match)."""
+    message = head.config.saguaro_mismatch(spec.saguaro_c, spec.resolved_fanout())
+    if message:
+        logger.warning(message)
+    return message
+
 
 
 def build_drafter(spec, target_model, num_slots: int, max_len: int) -> Drafter:
@@ -18,7 +34,7 @@ def build_drafter(spec, target_model, num_slots: int, max_len: int) -> Drafter:
         ValueError: the draft does not fit the target (vocabulary, sizes, layer ids, rope, max positions).
         FileNotFoundError: the draft model cannot be found.
     """
-    saguaro = SaguaroSampling(spec.saguaro_c, tuple(spec.fanout)) if spec.saguaro_c < 1.0 else None
+    saguaro = SaguaroSampling(spec.saguaro_c, tuple(spec.resolved_fanout())) if spec.saguaro_c < 1.0 else None
     if spec.method == "ngram":
         return NgramDrafter(spec.prompt_lookup_min, spec.prompt_lookup_max)
     param = next(target_model.parameters())
@@ -31,6 +47,8 @@ def build_drafter(spec, target_model, num_slots: int, max_len: int) -> Drafter:
     if spec.method == "eagle3":
         from ssd_eagle.drafters.eagle3 import Eagle3Drafter
 
-        return Eagle3Drafter.from_pretrained(spec.model, target_model, num_slots, max_len, saguaro,
-                                             spec.tree_settings())
+        drafter = Eagle3Drafter.from_pretrained(spec.model, target_model, num_slots, max_len, saguaro,
+                                                spec.tree_settings())
+        warn_saguaro_mismatch(drafter.head, spec)
+        return drafter
     raise ValueError(f"unknown speculative method {spec.method!r}")

@@ -173,6 +173,17 @@ class Eagle3Config:
         values.update(overrides)
         return cls(**values)
 
+    def saguaro_mismatch(self, c: float, fanouts: Iterable[int]) -> str | None:
+        """Why serving with Saguaro ``c`` and per-position fan-outs ``fanouts`` differs from the (C, F) this head
+        was trained for (issue 7), or None when it matches or the head is a plain one. ``c = 1`` is "no Saguaro"."""
+        if self.saguaro_c is None:
+            return None
+        served = sorted(set(int(f) for f in fanouts))
+        if abs(float(c) - self.saguaro_c) < 1e-9 and served == [self.saguaro_fanout]:
+            return None
+        return (f"this EAGLE-3 head was trained for Saguaro sampling with C={self.saguaro_c}, F={self.saguaro_fanout} "
+                f"but is served with C={c}, F={served}: its acceptance and cache hits will differ from training")
+
     def to_llama_config(self) -> LlamaConfig:
         """A one-layer transformers ``LlamaConfig`` with this geometry (used to build the reused modules)."""
         return LlamaConfig(

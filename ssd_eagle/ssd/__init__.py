@@ -34,6 +34,9 @@ def load_draft_module(spec, target_model):
 
         head = load_eagle3(spec.model, target_config=target_model.config, dtype=param.dtype)
         head.set_embeddings(target_model.get_input_embeddings())
+        from ssd_eagle.drafters import warn_saguaro_mismatch
+
+        warn_saguaro_mismatch(head, spec)
         return head
     raise ValueError(f"SSD needs a neural draft (method 'draft_model' or 'eagle3'), got {spec.method!r}")
 
