@@ -6,10 +6,13 @@ speculator on core 1, one thread each. Same held-out prompts (MT-Bench and Human
 for T = 0, 0.5, 1.0. Per configuration and temperature it prints tokens/s, tau, the cache hit rate, the ratio to
 AR and to SD, and for SD the measured verify time V and drafting time D per round, whose ``(V + D) / V`` caps what
 SSD can gain over that SD. It writes a CSV and a PNG of the cache hit rate against the fan-out F with the fitted
-power law ``1 - p_hit(F) = F^-r``.
+power law ``1 - p_hit(F) = F^-r``. With a Saguaro-aware head (``--eagle3-saguaro``, default
+``drafts/smollm2-135m-eagle3-saguaro`` when it exists) it adds issue 7's pair: the plain and the Saguaro-aware head
+served at the same (C, F) with a uniform fan-out (``ssd_eagle3_sag_plain`` / ``ssd_eagle3_sag_aware``).
 
     python scripts/bench_ssd.py --prompts 4 --max-tokens 128 --out runs/bench_ssd
     python scripts/bench_ssd.py --configs ar,sd_lm,ssd_lm_geo --temperatures 0
+    python scripts/bench_ssd.py --configs ssd_eagle3_sag_plain,ssd_eagle3_sag_aware --temperatures 0.5,1.0
 """
 
 from __future__ import annotations
@@ -47,7 +50,8 @@ class Config:
 
 
 def configs(args) -> dict[str, Config]:
-    lm, head, head_saguaro = args.draft_lm, args.eagle3, args.eagle3_saguaro
+    lm, head = args.draft_lm, args.eagle3
+    head_saguaro = args.eagle3_saguaro if args.eagle3_saguaro and Path(args.eagle3_saguaro).exists() else None
     K, B = args.k, args.budget
     lm_spec = {"method": "draft_model", "model": lm, "num_speculative_tokens": K}
     e3 = {"method": "eagle3", "model": head, "num_speculative_tokens": K}
@@ -62,7 +66,7 @@ def configs(args) -> dict[str, Config]:
         Config("sd_lm_2core", "sd", lm_spec, cores=2),
         Config("ssd_lm_uniform", "ssd", {**lm_spec, **uniform}),
         Config("ssd_lm_geo", "ssd", {**lm_spec, **geometric}),
-        Config("ssd_lm_geo_saguaro", "ssd", {**lm_spec, **geometric, "saguaro_c": args.saguaro_c}),
+        Config("ssd_lm_geo_saguaro", "ssd", {**lm_spec, **geometric, "saguaro_c": args.saguaro_c or 0.7}),
         Config("sd_eagle3", "sd", e3),
         Config("sd_eagle3_tree", "sd", {**e3, **tree}),
         Config("ssd_eagle3", "ssd", {**e3, **geometric}),
@@ -70,13 +74,23 @@ def configs(args) -> dict[str, Config]:
         Config("hf_assisted", "hf", hf="assisted"),
         Config("hf_lookup", "hf", hf="lookup"),
     ]
-    if head_saguaro:
-        for base in ("ssd_eagle3",):
-            c = next(c for c in out if c.name == base)
-            out.append(Config(f"{base}_sagC", "ssd", {**c.spec, "saguaro_c": args.saguaro_c}))
-            out.append(Config(f"{base}_sagC_trained", "ssd",
-                              {**c.spec, "model": head_saguaro, "saguaro_c": args.saguaro_c}))
+    if head_saguaro:  # issue 7: the plain and the Saguaro-aware head served at the same (C, F), uniform fan-out
+        c, f = saguaro_setting(args)
+        sag = {**e3, "fanout_strategy": "uniform", "fanout_budget": f * (K + 1), "saguaro_c": c}
+        out.append(Config("ssd_eagle3_sag_plain", "ssd", sag))
+        out.append(Config("ssd_eagle3_sag_aware", "ssd", {**sag, "model": head_saguaro}))
     return {c.name: c for c in out}
+
+
+def saguaro_setting(args) -> tuple[float, int]:
+    """(C, F) for the issue-7 comparison: the command line's, else what the Saguaro-aware head was trained for."""
+    trained = {}
+    config = Path(args.eagle3_saguaro) / "config.json"
+    if config.exists():
+        trained = json.loads(config.read_text()).get("ssd_eagle") or {}
+    c = args.saguaro_c if args.saguaro_c is not None else trained.get("saguaro_c") or 0.7
+    f = args.saguaro_fanout if args.saguaro_fanout is not None else trained.get("saguaro_fanout") or 3
+    return float(c), int(f)
 
 
 def pin(cores: int) -> None:
@@ -86,10 +100,9 @@ def pin(cores: int) -> None:
 
 
 def run_engine(engine: LLMEngine, prompts, params) -> dict:
-    tokens, seconds, stats = 0, 0.0, None
     from ssd_eagle.stats import SpecStats
 
-    total = SpecStats()
+    tokens, seconds, total = 0, 0.0, SpecStats()
     for i, p in enumerate(prompts):
         engine.add_request(f"r{time.monotonic_ns()}-{i}", p, params)
         start = time.perf_counter()
@@ -99,7 +112,7 @@ def run_engine(engine: LLMEngine, prompts, params) -> dict:
         tokens += len(outs[-1].token_ids)
         total.merge(outs[-1].stats)
     return {"tokens": tokens, "seconds": seconds, "tps": tokens / seconds, "tau": total.tau,
-            "hit": total.cache_hit_rate, "V": total.verify_time / max(total.num_rounds, 1),
+            "acc": total.acceptance_rate if total.num_drafted else None, "hit": total.cache_hit_rate, "V": total.verify_time / max(total.num_rounds, 1),
             "D": total.draft_time / max(total.num_rounds, 1), "rounds": total.num_rounds}
 
 
@@ -116,7 +129,8 @@ def run_hf(model, assistant, prompts, params, kind: str, k: int) -> dict:
                                  **sample, **kwargs)
         seconds += time.perf_counter() - start
         tokens += out.shape[1] - len(p)
-    return {"tokens": tokens, "seconds": seconds, "tps": tokens / seconds, "tau": None, "hit": None, "V": None,
+    return {"tokens": tokens, "seconds": seconds, "tps": tokens / seconds, "tau": None, "acc": None, "hit": None,
+            "V": None,
             "D": None, "rounds": None}
 
 
@@ -125,7 +139,8 @@ def main() -> None:
     ap.add_argument("--model", default=DEFAULT_MODEL)
     ap.add_argument("--draft-lm", default=str(ROOT / "drafts/smollm2-135m-draftlm"))
     ap.add_argument("--eagle3", default=str(ROOT / "drafts/smollm2-135m-eagle3"))
-    ap.add_argument("--eagle3-saguaro", default=None, help="a Saguaro-aware head to compare (issue 7)")
+    ap.add_argument("--eagle3-saguaro", default=str(ROOT / "drafts/smollm2-135m-eagle3-saguaro"),
+                    help="a Saguaro-aware head, compared with the plain head at the same (C, F) (issue 7); '' skips")
     ap.add_argument("--configs", default=None, help="comma-separated subset of configuration names")
     ap.add_argument("--temperatures", default="0,0.5,1.0")
     ap.add_argument("--prompts", type=int, default=3, help="prompts per split")
@@ -134,7 +149,11 @@ def main() -> None:
     ap.add_argument("--budget", type=int, default=24, help="SSD fan-out budget B (branches per sequence)")
     ap.add_argument("--acceptance", type=float, default=0.7, help="a of the geometric fan-out")
     ap.add_argument("--power", type=float, default=1.0, help="r of the geometric fan-out")
-    ap.add_argument("--saguaro-c", type=float, default=0.8)
+    ap.add_argument("--saguaro-c", type=float, default=None,
+                    help="Saguaro C (default: the Saguaro-aware head's, else 0.7); ssd_lm_geo_saguaro uses it too")
+    ap.add_argument("--saguaro-fanout", type=int, default=None,
+                    help="F of the issue-7 comparison (default: the Saguaro-aware head's, else 3)")
+    ap.add_argument("--repeats", type=int, default=1, help="runs per configuration and temperature (median tok/s)")
     ap.add_argument("--tree-budget", type=int, default=16)
     ap.add_argument("--tree-topk", type=int, default=4)
     ap.add_argument("--out", default=str(ROOT / "runs/bench_ssd"))
@@ -166,12 +185,16 @@ def main() -> None:
         K = spec.num_speculative_tokens if spec else 0
         for temp in temps:
             params = SamplingParams(temperature=temp, max_tokens=args.max_tokens, seed=1234)
-            if cfg.mode == "hf":
-                r = run_hf(model, assistant, prompts, params, cfg.hf, args.k)
-            else:
-                engine = LLMEngine(model, tokenizer, drafter, num_speculative_tokens=K, max_num_seqs=1,
-                                   max_model_len=4096, max_draft_tokens=spec.max_draft_tokens if spec else 0)
-                r = run_engine(engine, prompts, params)
+            runs = []
+            for _ in range(args.repeats):
+                if cfg.mode == "hf":
+                    runs.append(run_hf(model, assistant, prompts, params, cfg.hf, args.k))
+                else:
+                    engine = LLMEngine(model, tokenizer, drafter, num_speculative_tokens=K, max_num_seqs=1,
+                                       max_model_len=4096, max_draft_tokens=spec.max_draft_tokens if spec else 0)
+                    runs.append(run_engine(engine, prompts, params))
+            runs.sort(key=lambda r: r["tps"])
+            r = dict(runs[len(runs) // 2], tps_min=runs[0]["tps"], tps_max=runs[-1]["tps"])
             rows.append({"config": name, "temperature": temp, **r})
             print(json.dumps(rows[-1]), flush=True)
         if cfg.mode == "ssd":
@@ -188,9 +211,9 @@ def report(rows, ranks, out_dir: Path, args) -> None:
         writer.writerows(rows)
     by = {(r["config"], r["temperature"]): r for r in rows}
     print(f"\nmodel={args.model} prompts/split={args.prompts} max_tokens={args.max_tokens} K={args.k} "
-          f"B={args.budget}")
-    header = f"{'config':24s} {'T':>4s} {'tok/s':>7s} {'tau':>5s} {'hit':>5s} {'xAR':>5s} {'xSD':>5s} " \
-             f"{'V ms':>6s} {'D ms':>6s} {'cap':>5s}"
+          f"B={args.budget} repeats={args.repeats} (tok/s: median, spread min-max)")
+    header = f"{'config':24s} {'T':>4s} {'tok/s':>7s} {'spread':>13s} {'tau':>5s} {'acc':>5s} {'hit':>5s} " \
+             f"{'xAR':>5s} {'xSD':>5s} {'V ms':>6s} {'D ms':>6s} {'cap':>5s}"
     print(header)
     for r in rows:
         ar = by.get(("ar", r["temperature"]))
@@ -198,8 +221,9 @@ def report(rows, ranks, out_dir: Path, args) -> None:
         sd = by.get((sd_name, r["temperature"]))
         cap = (r["V"] + r["D"]) / r["V"] if r["V"] else None
         fmt = lambda v, spec: format(v, spec) if v is not None else "-"  # noqa: E731
-        print(f"{r['config']:24s} {r['temperature']:4.1f} {r['tps']:7.2f} {fmt(r['tau'], '5.2f'):>5s} "
-              f"{fmt(r['hit'], '5.2f'):>5s} {fmt(r['tps'] / ar['tps'] if ar else None, '5.2f'):>5s} "
+        spread = f"{r['tps_min']:.2f}-{r['tps_max']:.2f}"
+        print(f"{r['config']:24s} {r['temperature']:4.1f} {r['tps']:7.2f} {spread:>13s} {fmt(r['tau'], '5.2f'):>5s} "
+              f"{fmt(r['acc'], '5.2f'):>5s} {fmt(r['hit'], '5.2f'):>5s} {fmt(r['tps'] / ar['tps'] if ar else None, '5.2f'):>5s} "
               f"{fmt(r['tps'] / sd['tps'] if sd else None, '5.2f'):>5s} {fmt(r['V'] and r['V'] * 1e3, '6.1f'):>6s} "
               f"{fmt(r['D'] and r['D'] * 1e3, '6.1f'):>6s} {fmt(cap, '5.2f'):>5s}")
     plot_hit_rate(ranks, out_dir)
