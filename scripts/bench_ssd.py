@@ -88,9 +88,12 @@ def saguaro_setting(args) -> tuple[float, int]:
     config = Path(args.eagle3_saguaro) / "config.json"
     if config.exists():
         trained = json.loads(config.read_text()).get("ssd_eagle") or {}
-    c = args.saguaro_c if args.saguaro_c is not None else trained.get("saguaro_c") or 0.7
-    f = args.saguaro_fanout if args.saguaro_fanout is not None else trained.get("saguaro_fanout") or 3
-    return float(c), int(f)
+    def pick(given, key, default):
+        if given is not None:
+            return given
+        return trained[key] if trained.get(key) is not None else default
+
+    return float(pick(args.saguaro_c, "saguaro_c", 0.7)), int(pick(args.saguaro_fanout, "saguaro_fanout", 3))
 
 
 def pin(cores: int) -> None:

@@ -118,6 +118,12 @@ def test_trained_head_records_c_and_f_and_serving_with_others_warns(tmp_path, ca
     geometric = SpeculativeConfig(method="eagle3", model=str(out), num_speculative_tokens=3, saguaro_c=0.7,
                                   fanout_strategy="geometric", fanout_budget=12)
     assert warn_saguaro_mismatch(head, geometric) is not None  # per-position F differs from the trained 2
+    last_only = SpeculativeConfig(method="eagle3", model=str(out), num_speculative_tokens=3, saguaro_c=0.7,
+                                  fanout=[2, 2, 2, 6])
+    assert warn_saguaro_mismatch(head, last_only) is None  # F_K (all accepted) scales no drafted token
+    miss = SpeculativeConfig(method="eagle3", model=str(out), num_speculative_tokens=3, saguaro_c=0.7, fanout=[2],
+                             fanout_miss=[4])
+    assert "[2, 4]" in warn_saguaro_mismatch(head, miss)
 
 
 def test_sampling_with_a_saguaro_aware_draft_stays_lossless():

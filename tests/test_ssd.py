@@ -188,3 +188,26 @@ def test_killing_the_speculator_mid_request_still_completes_it(byte_tokenizer):
         assert not engine.drafter.healthy
     finally:
         engine.drafter.close()
+
+
+def test_a_backup_scales_with_the_miss_fanout_it_is_cached_with(byte_tokenizer, monkeypatch):
+    """Saguaro scales the top-(F_k + 1) the speculator caches: a backup (after a miss) uses ``fanout_miss``."""
+    import ssd_eagle.ssd.speculator as speculator_module
+
+    seen = []
+    original = speculator_module.sample_draft_tokens
+
+    def recording(logits, seqs, position, saguaro=None):
+        seen.append((logits.shape[0], saguaro.fanout if saguaro is not None else None))
+        return original(logits, seqs, position, saguaro)
+
+    monkeypatch.setattr(speculator_module, "sample_draft_tokens", recording)
+    target = make_tiny_llama(seed=3)
+    engine = ssd_engine(target, noisy_copy(target, 0.02), byte_tokenizer, max_num_seqs=1, saguaro_c=0.5,
+                        fanout=[1], fanout_miss=[3])
+    engine.add_request("a", [5, 6, 7, 8], SamplingParams(temperature=1.0, max_tokens=3, seed=0, ignore_eos=True))
+    engine.step()  # no cache yet: the first proposal is a backup; then the cache is built from it
+    backup = [f for rows, f in seen if rows == 1]
+    branches = [f for rows, f in seen if rows > 1]
+    assert backup and all(f == (3,) * (K + 1) for f in backup)
+    assert branches and all(f == (1,) * (K + 1) for f in branches)

@@ -82,9 +82,10 @@ def test_eagle3_speculator_state_after_a_miss_equals_a_fresh_computation(target_
     engine = eagle_ssd_engine(target, head, byte_tokenizer, fanout=(20,), max_num_seqs=1)
     speculator = engine.drafter.speculator.speculator
     original = speculator.propose
-    misses = []
+    misses, uncached = [], []
 
     def recording(requests):
+        uncached.extend(len(speculator.seqs[r.slot].token_ids) - speculator.seqs[r.slot].num_cached for r in requests)
         replies = original(requests)
         for req, reply in zip(requests, replies):
             if reply.hit is False and req.budget == K:
@@ -96,6 +97,8 @@ def test_eagle3_speculator_state_after_a_miss_equals_a_fresh_computation(target_
     while engine.has_unfinished():
         engine.step()
     assert len(misses) >= 2
+    # between rounds only the root is uncached: each round re-feeds the new tokens, not all since the prompt
+    assert uncached and set(uncached) == {1}
     committed, proposed = misses[-1]
     runner = ModelRunner(target, 1, 256, aux_layer_ids=head.config.aux_layer_ids)
     aux = runner.forward(ForwardBatch.causal([committed[:-1]], [0], [0], torch.float64, "cpu"), capture_aux=True,

@@ -17,8 +17,11 @@ logger = logging.getLogger(__name__)
 def warn_saguaro_mismatch(head, spec) -> str | None:
     """Log a warning when an EAGLE-3 head trained for Saguaro (C, F) is served with other values (issue 7).
 
-    Returns the warning (None when the head is plain or the values match)."""
-    message = head.config.saguaro_mismatch(spec.saguaro_c, spec.resolved_fanout())
+    Compared: C, and the F_k of the drafted positions k < K (after a hit and after a miss); F_K (the all-accepted
+    outcome) scales nothing. The temperature is per request and is not checked. Returns the warning (None when the
+    head is plain or the values match)."""
+    fanouts = spec.resolved_fanout()[:-1] + (spec.resolved_fanout_miss() or [])[:-1]
+    message = head.config.saguaro_mismatch(spec.saguaro_c, fanouts)
     if message:
         logger.warning(message)
     return message

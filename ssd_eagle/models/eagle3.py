@@ -174,8 +174,9 @@ class Eagle3Config:
         return cls(**values)
 
     def saguaro_mismatch(self, c: float, fanouts: Iterable[int]) -> str | None:
-        """Why serving with Saguaro ``c`` and per-position fan-outs ``fanouts`` differs from the (C, F) this head
-        was trained for (issue 7), or None when it matches or the head is a plain one. ``c = 1`` is "no Saguaro"."""
+        """Why serving with Saguaro ``c`` and the fan-outs ``fanouts`` of the drafted positions differs from the
+        (C, F) this head was trained for (issue 7), or None when it matches or the head is a plain one. ``c = 1`` is
+        "no Saguaro"."""
         if self.saguaro_c is None:
             return None
         served = sorted(set(int(f) for f in fanouts))

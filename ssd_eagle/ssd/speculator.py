@@ -161,6 +161,8 @@ class Speculator:
         self.backup = backup
         self.fast_backup_batch = fast_backup_batch
         self.saguaro = saguaro
+        # a backup drafts what is cached with fanout_miss, so its Saguaro scaling uses that fan-out too
+        self.saguaro_miss = SaguaroSampling(saguaro.c, tuple(self.fanout_miss)) if saguaro is not None else None
         self.prompt_lookup = prompt_lookup
         self.tree = tree
         self.power = power
@@ -262,19 +264,20 @@ class Speculator:
             return drafts
         chains = self._chains(seqs, logits, hidden, [budgets[i] for i in active],
                               lambda idx, toks, starts, f: self._run([seqs[j] for j in idx], [[t] for t in toks],
-                                                                     starts, f, last_only=True))
+                                                                     starts, f, last_only=True), self.saguaro_miss)
         for i, chain in zip(active, chains):
             drafts[i] = chain
         return drafts
 
-    def _chains(self, seqs, logits, hidden, budgets, step) -> list[_Draft]:
-        """Sample chains of ``budgets[r]`` tokens from the draft, one ``step`` (forward) per further token."""
+    def _chains(self, seqs, logits, hidden, budgets, step, saguaro: SaguaroSampling | None) -> list[_Draft]:
+        """Sample chains of ``budgets[r]`` tokens from the draft, one ``step`` (forward) per further token, with
+        ``saguaro`` scaling."""
         out = [_Draft([]) for _ in seqs]
         qs: list[list[torch.Tensor]] = [[] for _ in seqs]
         hs: list[list[torch.Tensor]] = [[] for _ in seqs]
         active = list(range(len(seqs)))
         for position in range(max(budgets)):
-            tokens, q = sample_draft_tokens(logits, [seqs[r] for r in active], position, self.saguaro)
+            tokens, q = sample_draft_tokens(logits, [seqs[r] for r in active], position, saguaro)
             for j, r in enumerate(active):
                 out[r].tokens.append(int(tokens[j]))
                 if q[j] is not None:
@@ -350,6 +353,10 @@ class Speculator:
             return
         seqs = [s for s, _ in rows]
         node_logits, node_hidden, node_kv = self._proposal_forward(seqs)
+        if self.backend.needs_aux:  # the committed tokens' keys now come from the target's features: final, except
+            for seq in seqs:        # the root's (fed again as the next chunk's first token)
+                seq.pending = seq.pending[len(seq.token_ids) - 1 - seq.num_cached:]
+                seq.num_cached = len(seq.token_ids) - 1
         branches: list[list[dict]] = []
         for r, (seq, missed) in enumerate(rows):
             branches.append(self._outcomes(seq, node_logits[r], node_kv[r], missed,
