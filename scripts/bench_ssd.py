@@ -32,6 +32,7 @@ from ssd_eagle.config import EngineConfig, SpeculativeConfig
 from ssd_eagle.drafters import build_drafter
 from ssd_eagle.engine.llm import render_chat
 from ssd_eagle.engine.llm_engine import LLMEngine
+from ssd_eagle.models.draft_lm import load_draft_model
 from ssd_eagle.prompts import heldout_prompts
 from ssd_eagle.sampling_params import SamplingParams
 from ssd_eagle.ssd import build_ssd_drafter, load_draft_module
@@ -184,7 +185,7 @@ def main() -> None:
                                 max_model_len=4096)
             drafter = build_ssd_drafter(ecfg, model, draft=load_draft_module(spec, model), max_model_len=4096)
         elif cfg.mode == "hf" and cfg.hf == "assisted":
-            assistant, _ = load_model(args.draft_lm)
+            assistant = load_draft_model(args.draft_lm, model)  # a compact export is completed from the target
         K = spec.num_speculative_tokens if spec else 0
         for temp in temps:
             params = SamplingParams(temperature=temp, max_tokens=args.max_tokens, seed=1234)

@@ -144,7 +144,7 @@ class ForwardBatch:
     slot_range: tuple[int, int] | None
     contiguous_write: tuple[int, int] | None
     num_tokens: list[int]
-    causal: bool = False  # built by :meth:`causal` (plain causal visibility)
+    plain_causal: bool = False  # built by :meth:`causal` (plain causal visibility)
 
     @property
     def max_write_position(self) -> int:
@@ -159,7 +159,7 @@ class ForwardBatch:
             return False
         n = self.input_ids.shape[1]
         return self.kv_len == self.contiguous_write[1] + n and (n == 1 or self.contiguous_write[1] == 0) \
-            and self.causal
+            and self.plain_causal
 
     @classmethod
     def causal(cls, tokens: list[list[int]], slots: list[int], starts: list[int], dtype: torch.dtype,
@@ -180,7 +180,7 @@ class ForwardBatch:
         kv_len = int(positions.max()) + 1
         visible = torch.arange(kv_len)[None, None, :] <= positions[:, :, None]
         batch = cls.build(ids, positions, positions, slots, visible, dtype, device, num)
-        batch.causal = True
+        batch.plain_causal = True
         return batch
 
     @classmethod

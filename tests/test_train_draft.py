@@ -9,7 +9,6 @@ import os
 import random
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -23,7 +22,6 @@ from conftest import make_byte_tokenizer, make_tiny_llama
 from ssd_eagle.models.eagle3 import Eagle3Config, Eagle3DraftModel, build_vocab_mapping
 from train.config import ConfigError, config_from_dict, deepspeed_config, load_config, parse_args
 from train.ttt import (
-    DraftTargets,
     chain_masks,
     draft_lm_hits,
     draft_targets,

@@ -184,7 +184,7 @@ def test_zero3_checkpoint_exports_in_memory_weights(tiny, tmp_path):
 
 
 def test_draft_lm_zero3_plain_compact_and_materialized_exports(tiny, tmp_path):
-    from train.draft_lm import load_draft_lm
+    from ssd_eagle.models.draft_lm import load_draft_lm
 
     out = tmp_path / "run"
     trainer, result = run_trainer(**tiny_config(tiny, out, draft="draft_lm", draft_lm_layers=2, max_steps=2,
@@ -221,3 +221,25 @@ def test_draft_lm_zero3_plain_compact_and_materialized_exports(tiny, tmp_path):
     ids = torch.randint(0, 257, (1, 10))
     with torch.no_grad():
         torch.testing.assert_close(model(ids).logits, loaded(ids).logits)
+    # the engines load the compact folder directly (SD drafter and the SSD speculator's draft), completed from the
+    # target: greedy SD output equals the target's own greedy decode
+    from ssd_eagle.config import SpeculativeConfig
+    from ssd_eagle.drafters import build_drafter
+    from ssd_eagle.engine.llm import LLM
+    from ssd_eagle.engine.llm_engine import LLMEngine
+    from ssd_eagle.sampling_params import SamplingParams
+    from ssd_eagle.ssd import load_draft_module
+
+    spec = SpeculativeConfig(method="draft_model", model=str(compact), num_speculative_tokens=3)
+    ssd_draft = load_draft_module(spec, trainer.target)
+    for k, v in ssd_draft.state_dict().items():
+        assert torch.equal(v, state[k]), k
+    target, tokenizer = trainer.target, trainer.tokenizer
+    engine = LLMEngine(target, tokenizer, build_drafter(spec, target, 1, 256), num_speculative_tokens=3,
+                       max_num_seqs=1, max_model_len=256)
+    prompt = [5, 9, 17, 33, 8]
+    got = LLM(engine=engine).generate([prompt], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
+    with torch.no_grad():
+        expected = target.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False,
+                                   eos_token_id=None)[0, len(prompt):].tolist()
+    assert got[0].token_ids == expected

@@ -137,3 +137,11 @@ def test_tree_output_law_equals_the_targets(byte_tokenizer):
     counts = np.bincount(flat, minlength=V**4)
     assert engine.stats.num_accepted > n // 4, "the trees must be accepted often enough to matter"
     assert pooled_chisquare(counts, exact_law(target, prompt, temperature)) > 1e-4
+
+
+def test_only_plain_causal_batches_skip_the_mask():
+    """SDPA's own causal mode is used only for batches built causal: a tree from position 0 (siblings must not see
+    each other) keeps its mask. A field named like the ``causal`` builder once defaulted to that (truthy) method."""
+    tree = ForwardBatch.tree([5], [[6, 7]], [[0, 0]], [0], [0], torch.float32, "cpu")
+    assert tree.maskless is False and tree.plain_causal is False
+    assert ForwardBatch.causal([[1, 2, 3]], [0], [0], torch.float32, "cpu").maskless is True

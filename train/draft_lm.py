@@ -15,14 +15,14 @@ Export layouts (:func:`save_draft_lm`):
 * **compact**: only the trained tensors (``draft_lm.safetensors``) plus ``config.json`` with an ``ssd_eagle.
   shared_from_target`` record (tensor names, target name, and a SHA-256 of the target's embedding table).
   ``from_pretrained`` refuses the folder loudly (no ``model.safetensors``) instead of initialising the missing
-  embedding at random; :func:`load_draft_lm` fills it from the target (checking the hash), and
+  embedding at random; :func:`ssd_eagle.models.draft_lm.load_draft_lm` (what the engines call) fills it from the
+  target (checking the hash), and
   ``python -m train.export --materialize`` writes the plain folder.
 """
 
 from __future__ import annotations
 
 import copy
-import hashlib
 import json
 import os
 import shutil
@@ -31,13 +31,11 @@ import uuid
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 from torch import nn
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
-COMPACT_WEIGHTS = "draft_lm.safetensors"
-EMBED_NAME = "model.embed_tokens.weight"
-HEAD_NAME = "lm_head.weight"
+from ssd_eagle.models.draft_lm import COMPACT_WEIGHTS, EMBED_NAME, HEAD_NAME, assemble_draft_lm, embedding_digest
 
 
 def _text_config(config):
@@ -67,11 +65,6 @@ def draft_lm_config(target_config, num_layers: int) -> LlamaConfig:
     cfg = LlamaConfig(**values)
     cfg.architectures = ["LlamaForCausalLM"]
     return cfg
-
-
-def embedding_digest(weight: torch.Tensor) -> str:
-    """SHA-256 of a tensor's float32 bytes (identifies the target embedding a compact draft LM needs)."""
-    return hashlib.sha256(weight.detach().to("cpu", torch.float32).contiguous().numpy().tobytes()).hexdigest()
 
 
 class DraftLMBody(nn.Module):
@@ -179,33 +172,6 @@ def draft_lm_argmax(hidden: torch.Tensor, lm_head_weight: torch.Tensor, chunk: i
 # ----------------------------------------------------------------------------------------------------------------
 # export / import
 
-def assemble_draft_lm(config: LlamaConfig, trained: dict[str, torch.Tensor], target,
-                      dtype: torch.dtype = torch.float32) -> LlamaForCausalLM:
-    """A complete ``LlamaForCausalLM``: the trained tensors plus the target's embedding (and untied output layer).
-
-    Raises:
-        ValueError: missing or unexpected trained tensors (listed), or an embedding whose shape does not fit.
-    """
-    model = LlamaForCausalLM(copy.deepcopy(config)).to(dtype)
-    expected = set(model.state_dict()) - {EMBED_NAME, HEAD_NAME}
-    missing, unexpected = sorted(expected - set(trained)), sorted(set(trained) - expected)
-    if missing or unexpected:
-        raise ValueError(f"draft LM weights do not fit the config: missing {missing}, unexpected {unexpected}")
-    state = {k: v.to(dtype) for k, v in trained.items()}
-    emb = target.get_input_embeddings().weight
-    if tuple(emb.shape) != (config.vocab_size, config.hidden_size):
-        raise ValueError(f"target embeddings {tuple(emb.shape)} do not fit the draft config")
-    state[EMBED_NAME] = emb.detach().to("cpu", dtype)
-    if not config.tie_word_embeddings:
-        state[HEAD_NAME] = target.get_output_embeddings().weight.detach().to("cpu", dtype)
-    model.load_state_dict(state, strict=not config.tie_word_embeddings)
-    if config.tie_word_embeddings:
-        model.tie_weights()
-        if model.lm_head.weight.data_ptr() != model.model.embed_tokens.weight.data_ptr():
-            raise ValueError("the draft LM's output layer is not tied to its embeddings")
-    return model.eval()
-
-
 def _swap_in(tmp: Path, out: Path) -> None:
     os.chmod(tmp, 0o755)
     for path in tmp.rglob("*"):  # safetensors writes 0600 files; exports are meant to be shared
@@ -269,34 +235,3 @@ def save_draft_lm(config: LlamaConfig, trained: dict[str, torch.Tensor], out_dir
     return out
 
 
-def is_compact_draft_lm(path: str | os.PathLike) -> bool:
-    """Whether ``path`` holds a compact draft LM export."""
-    return (Path(path) / COMPACT_WEIGHTS).exists()
-
-
-def load_draft_lm(path: str | os.PathLike, target=None, dtype: torch.dtype = torch.float32) -> LlamaForCausalLM:
-    """Load a draft LM exported in either layout.
-
-    Args:
-        path: a plain transformers folder or a compact export.
-        target: needed for a compact export (its embedding completes the model).
-
-    Raises:
-        ValueError: a compact export without ``target``, or a target whose embedding table differs from the one the
-            draft was trained with (SHA-256 mismatch).
-    """
-    path = Path(path)
-    if not is_compact_draft_lm(path):
-        return LlamaForCausalLM.from_pretrained(path, dtype=dtype).eval()
-    if target is None:
-        raise ValueError(f"{path} is a compact draft LM: pass the target model that supplies its embeddings")
-    doc = json.loads((path / "config.json").read_text())
-    shared = doc.pop("ssd_eagle", {}).get("shared_from_target", {})
-    digest = embedding_digest(target.get_input_embeddings().weight)
-    if shared.get("embed_sha256") not in (None, digest):
-        raise ValueError(f"{path} was trained with another target's embeddings (sha256 "
-                         f"{shared.get('embed_sha256')} != {digest})")
-    for key in ("architectures", "model_type", "transformers_version", "torch_dtype", "dtype"):
-        doc.pop(key, None)
-    config = LlamaConfig(**doc)
-    return assemble_draft_lm(config, load_file(str(path / COMPACT_WEIGHTS)), target, dtype)

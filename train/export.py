@@ -26,7 +26,6 @@ import argparse
 import json
 import os
 import shutil
-import tempfile
 import uuid
 from pathlib import Path
 
@@ -161,7 +160,7 @@ def model_card(kind: str, name: str, target: str, state: dict, train_cfg: dict, 
                       "`AutoModelForCausalLM.from_pretrained` refuses this folder on purpose; make a plain folder "
                       "with", "", "```bash",
                       f"python -m train.export --materialize <this folder> <plain folder> --target {target}",
-                      "```", "", "or load it with `train.draft_lm.load_draft_lm(folder, target_model)`.", ""]
+                      "```", "", "or load it with `ssd_eagle.models.draft_lm.load_draft_lm(folder, target_model)`; ssd-eagle's engines load it directly.", ""]
         else:
             lines += ["```python", "from transformers import AutoModelForCausalLM",
                       f"target = AutoModelForCausalLM.from_pretrained(\"{target}\")",
@@ -287,7 +286,7 @@ def materialize(compact_dir: str | os.PathLike, out_dir: str | os.PathLike, targ
         ValueError: not a compact export, no target known, or a target with other embeddings.
     """
     from ssd_eagle.assets import load_model
-    from train.draft_lm import COMPACT_WEIGHTS, is_compact_draft_lm, load_draft_lm
+    from ssd_eagle.models.draft_lm import COMPACT_WEIGHTS, is_compact_draft_lm, load_draft_lm
 
     compact_dir = Path(compact_dir)
     if not is_compact_draft_lm(compact_dir):

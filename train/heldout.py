@@ -73,7 +73,7 @@ def estimate_tau(draft_dir: str | os.PathLike, heldout: str | os.PathLike, *, ta
     """
     from ssd_eagle.assets import load_model
     from train.data import build_dataset, load_conversations
-    from train.draft_lm import is_compact_draft_lm, load_draft_lm
+    from ssd_eagle.models.draft_lm import is_compact_draft_lm, load_draft_lm
     from train.features import TargetFeatureExtractor
     from train.ttt import AcceptanceStats, draft_lm_hits, draft_targets, eagle3_hits, simulate_acceptance, ttt_loss
 

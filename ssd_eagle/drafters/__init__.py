@@ -40,11 +40,10 @@ def build_drafter(spec, target_model, num_slots: int, max_len: int) -> Drafter:
     saguaro = SaguaroSampling(spec.saguaro_c, tuple(spec.resolved_fanout())) if spec.saguaro_c < 1.0 else None
     if spec.method == "ngram":
         return NgramDrafter(spec.prompt_lookup_min, spec.prompt_lookup_max)
-    param = next(target_model.parameters())
     if spec.method == "draft_model":
-        from ssd_eagle.assets import load_model
+        from ssd_eagle.models.draft_lm import load_draft_model
 
-        model, _ = load_model(spec.model, dtype=param.dtype, device=param.device)
+        model = load_draft_model(spec.model, target_model)
         return DraftModelDrafter(model, target_model.config.get_text_config().vocab_size, num_slots, max_len,
                                  saguaro, spec.tree_settings())
     if spec.method == "eagle3":

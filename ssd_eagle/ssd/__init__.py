@@ -22,13 +22,9 @@ def load_draft_module(spec, target_model):
     """
     param = next(target_model.parameters())
     if spec.method == "draft_model":
-        from ssd_eagle.assets import load_model
+        from ssd_eagle.models.draft_lm import load_draft_model
 
-        model, _ = load_model(spec.model, dtype=param.dtype)
-        vocab = model.get_output_embeddings().weight.shape[0]
-        if vocab != target_model.config.get_text_config().vocab_size:
-            raise ValueError(f"draft model vocabulary ({vocab}) must equal the target's")
-        return model
+        return load_draft_model(spec.model, target_model)
     if spec.method == "eagle3":
         from ssd_eagle.models.eagle3_formats import load_eagle3
 

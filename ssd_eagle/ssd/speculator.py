@@ -469,7 +469,6 @@ class Speculator:
 
     def _draft_branch_chains(self, seqs: list[_Seq], branches: list[list[dict]]) -> None:
         """K tokens for every branch: K tree-masked forwards over all branches of all rows at once."""
-        b = self.backend
         tokens, positions, base, feats, region, F = self._branch_batch(seqs, branches)
         B = len(seqs)
         slots = [s.slot for s in seqs]
@@ -503,7 +502,6 @@ class Speculator:
 
     def _draft_branch_trees(self, seqs: list[_Seq], branches: list[list[dict]]) -> None:
         """A dynamic tree for every branch: feed the branch roots (one forward), then grow all trees together."""
-        b = self.backend
         tokens, positions, base, feats, region, F = self._branch_batch(seqs, branches)
         B = len(seqs)
         slots = [s.slot for s in seqs]

@@ -1,0 +1,107 @@
+"""Loading the draft LMs ssd-eagle exports (``train/draft_lm.py`` trains and saves them): a plain transformers folder,
+or a **compact** export that stores only the trained tensors (``draft_lm.safetensors``) and takes its token embedding
+and output layer from the target, checked by a SHA-256 of the target's embedding table.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import os
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+from transformers import LlamaConfig, LlamaForCausalLM
+
+COMPACT_WEIGHTS = "draft_lm.safetensors"
+EMBED_NAME = "model.embed_tokens.weight"
+HEAD_NAME = "lm_head.weight"
+
+
+def embedding_digest(weight: torch.Tensor) -> str:
+    """SHA-256 of a tensor's float32 bytes (identifies the target embedding a compact draft LM needs)."""
+    return hashlib.sha256(weight.detach().to("cpu", torch.float32).contiguous().numpy().tobytes()).hexdigest()
+
+
+def assemble_draft_lm(config: LlamaConfig, trained: dict[str, torch.Tensor], target,
+                      dtype: torch.dtype = torch.float32) -> LlamaForCausalLM:
+    """A complete ``LlamaForCausalLM``: the trained tensors plus the target's embedding (and untied output layer).
+
+    Raises:
+        ValueError: missing or unexpected trained tensors (listed), or an embedding whose shape does not fit.
+    """
+    model = LlamaForCausalLM(copy.deepcopy(config)).to(dtype)
+    expected = set(model.state_dict()) - {EMBED_NAME, HEAD_NAME}
+    missing, unexpected = sorted(expected - set(trained)), sorted(set(trained) - expected)
+    if missing or unexpected:
+        raise ValueError(f"draft LM weights do not fit the config: missing {missing}, unexpected {unexpected}")
+    state = {k: v.to(dtype) for k, v in trained.items()}
+    emb = target.get_input_embeddings().weight
+    if tuple(emb.shape) != (config.vocab_size, config.hidden_size):
+        raise ValueError(f"target embeddings {tuple(emb.shape)} do not fit the draft config")
+    state[EMBED_NAME] = emb.detach().to("cpu", dtype)
+    if not config.tie_word_embeddings:
+        state[HEAD_NAME] = target.get_output_embeddings().weight.detach().to("cpu", dtype)
+    model.load_state_dict(state, strict=not config.tie_word_embeddings)
+    if config.tie_word_embeddings:
+        model.tie_weights()
+        if model.lm_head.weight.data_ptr() != model.model.embed_tokens.weight.data_ptr():
+            raise ValueError("the draft LM's output layer is not tied to its embeddings")
+    return model.eval()
+
+
+def is_compact_draft_lm(path: str | os.PathLike) -> bool:
+    """Whether ``path`` holds a compact draft LM export."""
+    return (Path(path) / COMPACT_WEIGHTS).exists()
+
+
+def load_draft_lm(path: str | os.PathLike, target=None, dtype: torch.dtype = torch.float32) -> LlamaForCausalLM:
+    """Load a draft LM exported in either layout.
+
+    Args:
+        path: a plain transformers folder or a compact export.
+        target: needed for a compact export (its embedding completes the model).
+
+    Raises:
+        ValueError: a compact export without ``target``, or a target whose embedding table differs from the one the
+            draft was trained with (SHA-256 mismatch).
+    """
+    path = Path(path)
+    if not is_compact_draft_lm(path):
+        return LlamaForCausalLM.from_pretrained(path, dtype=dtype).eval()
+    if target is None:
+        raise ValueError(f"{path} is a compact draft LM: pass the target model that supplies its embeddings")
+    doc = json.loads((path / "config.json").read_text())
+    shared = doc.pop("ssd_eagle", {}).get("shared_from_target", {})
+    digest = embedding_digest(target.get_input_embeddings().weight)
+    if shared.get("embed_sha256") not in (None, digest):
+        raise ValueError(f"{path} was trained with another target's embeddings (sha256 "
+                         f"{shared.get('embed_sha256')} != {digest})")
+    for key in ("architectures", "model_type", "transformers_version", "torch_dtype", "dtype"):
+        doc.pop(key, None)
+    config = LlamaConfig(**doc)
+    return assemble_draft_lm(config, load_file(str(path / COMPACT_WEIGHTS)), target, dtype)
+
+
+def load_draft_model(path: str | os.PathLike, target_model) -> LlamaForCausalLM:
+    """The draft causal LM at ``path`` (a compact export, a plain folder, or a hub id) in the target's dtype and on
+    its device, checked to share the target's vocabulary.
+
+    Raises:
+        ValueError: a vocabulary other than the target's, or a compact export trained with another target.
+        FileNotFoundError: nothing at ``path``.
+    """
+    param = next(target_model.parameters())
+    if is_compact_draft_lm(path):
+        model = load_draft_lm(path, target=target_model, dtype=param.dtype).to(param.device)
+    else:
+        from ssd_eagle.assets import load_model
+
+        model, _ = load_model(str(path), dtype=param.dtype, device=param.device)
+    vocab = model.get_output_embeddings().weight.shape[0]
+    expected = target_model.config.get_text_config().vocab_size
+    if vocab != expected:
+        raise ValueError(f"draft model vocabulary ({vocab}) must equal the target's ({expected})")
+    return model
