@@ -152,3 +152,22 @@ def test_rejection_sampling_accepts_everything_when_q_equals_p():
     drafts = torch.stack([torch.multinomial(p[:, i], 1).squeeze(1) for i in range(2)], dim=1)
     k, _ = rejection_verify(p, p[:, :2], drafts, torch.full((4,), 2), [None] * 4)
     assert k.tolist() == [2, 2, 2, 2]
+
+
+def test_sample_is_exact_never_picks_zero_mass_and_keeps_rows_independent():
+    from ssd_eagle.sampling import sample
+
+    n = 100_000
+    p = torch.tensor([0.0, 0.2, 0.0, 0.5, 0.3, 0.0], dtype=torch.float64) * 7  # unnormalised, like a residual
+    draws = sample(p.expand(n, 6).clone(), [torch.Generator().manual_seed(0)] * n)
+    counts = torch.bincount(draws, minlength=6).double()
+    assert counts[[0, 2, 5]].sum() == 0
+    expected = p / p.sum() * n
+    chi2 = float(((counts[[1, 3, 4]] - expected[[1, 3, 4]]) ** 2 / expected[[1, 3, 4]]).sum())
+    assert chi2 < 18.4  # 2 dof, p ~ 1e-4
+    assert int(sample(torch.tensor([[0.0, 0.0, 0.0, 2.0]]), [None])) == 3  # mass only at the end
+    # a row's draw depends only on its own generator, not on the rows batched with it
+    alone = sample(p[None].float(), [torch.Generator().manual_seed(5)])
+    batched = sample(torch.stack([torch.rand(6), p.float()]), [torch.Generator().manual_seed(1),
+                                                                torch.Generator().manual_seed(5)])
+    assert int(alone[0]) == int(batched[1])
