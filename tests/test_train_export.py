@@ -243,3 +243,14 @@ def test_draft_lm_zero3_plain_compact_and_materialized_exports(tiny, tmp_path):
         expected = target.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False,
                                    eos_token_id=None)[0, len(prompt):].tolist()
     assert got[0].token_ids == expected
+
+
+def test_model_card_names_the_configured_data_file():
+    """Offline features may index several data files (the first one's name is in their metadata); the card names
+    the file training selected its rows from, the config's ``data``."""
+    from train.export import model_card
+
+    state = {"step": 3, "data": {"source": "runs/pilot/data.jsonl", "num_conversations": 2, "num_tokens": 9}}
+    card = model_card("eagle3", "x", "t", state, {"data": "data/real.jsonl.gz", "ttt_steps": 7})
+    assert "`data/real.jsonl.gz`" in card and "pilot" not in card
+    assert "`runs/pilot/data.jsonl`" in model_card("eagle3", "x", "t", state, {"ttt_steps": 7})

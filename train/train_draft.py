@@ -266,7 +266,8 @@ class Trainer:
             self.get_sample = lambda i: store.get(mine[i])
             self.token_rows = lambda: (store.get(i, with_hidden=False) for i in mine)
             tokens = _all_reduce([sum(self.lengths)])
-            self.data_stats = {"source": meta.get("data", cfg.features_dir), "features_dir": cfg.features_dir,
+            self.data_stats = {"source": cfg.data or meta.get("data", cfg.features_dir),  # the selected rows' file
+                               "features_dir": cfg.features_dir,
                                "num_conversations": len(indices), "num_tokens": int(tokens[0]),
                                "max_length": meta.get("max_length")}
         if not self.lengths:
