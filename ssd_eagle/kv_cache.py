@@ -43,8 +43,9 @@ class KVCache:
         self.max_len = max_len
         self.capacity = min(initial_capacity, max_len)
         shape = (num_slots, num_kv_heads, self.capacity, head_dim)
-        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        with torch.inference_mode(False):  # normal tensors, updatable in and out of inference mode
+            self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+            self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self._batch: ForwardBatch | None = None
 
     def reserve(self, needed: int) -> None:
@@ -58,12 +59,13 @@ class KVCache:
         if needed > self.max_len:
             raise ValueError(f"a forward needs {needed} cache positions but max_len is {self.max_len}")
         new_cap = min(-(-max(needed, self.capacity * 5 // 4) // 256) * 256, self.max_len)
-        for layer in range(self.num_layers):
-            for store in (self.keys, self.values):
-                old = store[layer]
-                new = old.new_zeros(old.shape[0], old.shape[1], new_cap, old.shape[3])
-                new[:, :, : self.capacity] = old
-                store[layer] = new
+        with torch.inference_mode(False):  # growing inside a forward must not make the store an inference tensor,
+            for layer in range(self.num_layers):  # which compact() / copy_slot() could not update outside one
+                for store in (self.keys, self.values):
+                    old = store[layer]
+                    new = old.new_zeros(old.shape[0], old.shape[1], new_cap, old.shape[3])
+                    new[:, :, : self.capacity] = old
+                    store[layer] = new
         self.capacity = new_cap
 
     def bind(self, batch: ForwardBatch) -> KVCache:

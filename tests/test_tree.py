@@ -145,3 +145,17 @@ def test_only_plain_causal_batches_skip_the_mask():
     tree = ForwardBatch.tree([5], [[6, 7]], [[0, 0]], [0], [0], torch.float32, "cpu")
     assert tree.maskless is False and tree.plain_causal is False
     assert ForwardBatch.causal([[1, 2, 3]], [0], [0], torch.float32, "cpu").maskless is True
+
+
+def test_a_cache_grown_inside_inference_mode_can_still_be_compacted():
+    """The cache grows during a forward (inference mode); tree verification compacts it afterwards, outside one.
+    A store reallocated as an inference tensor made that a RuntimeError (seen in bench_ssd's tree SD)."""
+    from ssd_eagle.kv_cache import KVCache
+
+    kv = KVCache(1, 1, 1, 2, 1024, torch.float32, "cpu")
+    with torch.inference_mode():
+        kv.reserve(300)
+        kv.keys[0][0, 0, 5] = 1.0
+    assert kv.capacity >= 300 and not kv.keys[0].is_inference()
+    kv.compact(0, torch.tensor([5]), 2)
+    assert torch.equal(kv.keys[0][0, 0, 2], torch.ones(2))
