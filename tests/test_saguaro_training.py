@@ -97,9 +97,15 @@ def test_trained_head_records_c_and_f_and_serving_with_others_warns(tmp_path, ca
     from ssd_eagle.models.eagle3_formats import load_eagle3
     from train.export import export_checkpoint
 
+    import torch.distributed as dist
+
     setup = write_tiny_setup(tmp_path / "tiny", num_convs=8)
-    trainer, result = run_trainer(**tiny_config(setup, tmp_path / "run", max_steps=2, save_every=2, eval_every=0,
-                                                saguaro_c=0.7, saguaro_fanout=2))
+    try:
+        trainer, result = run_trainer(**tiny_config(setup, tmp_path / "run", max_steps=2, save_every=2,
+                                                    eval_every=0, saguaro_c=0.7, saguaro_fanout=2))
+    finally:  # the trainer's default process group would stop later SSD tests from making their own
+        if dist.is_initialized():
+            dist.destroy_process_group()
     nonstall = result["step_nonstall"]  # logged per TTT step (0 where the last window had no valid chain)
     assert len(nonstall) == 3 and all(0 <= x <= 1 for x in nonstall) and nonstall[0] > 0
     out = tmp_path / "export"
