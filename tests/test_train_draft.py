@@ -560,3 +560,41 @@ def test_teacher_forced_eagle3_drafts_equal_the_engine_proposals(byte_tokenizer)
                               batch.loss_mask[0], k)
     assert (sim.rounds, sim.emitted) == (out.stats.num_rounds, out.stats.num_emitted)
     assert len(drafter.log) == out.stats.num_rounds
+
+
+def test_trained_head_records_c_and_f_and_serving_with_others_warns(tmp_path, caplog):
+    from ssd_eagle.models.eagle3_formats import load_eagle3
+    from train.export import export_checkpoint
+
+    import logging
+
+    from ssd_eagle.config import SpeculativeConfig
+    from ssd_eagle.drafters import warn_saguaro_mismatch
+
+    setup = write_tiny_setup(tmp_path / "tiny", num_convs=8)
+    trainer, result = run_trainer(**tiny_config(setup, tmp_path / "run", max_steps=2, save_every=2, eval_every=0,
+                                                saguaro_c=0.7, saguaro_fanout=2))
+    nonstall = result["step_nonstall"]  # logged per TTT step (0 where the last window had no valid chain)
+    assert len(nonstall) == 3 and all(0 <= x <= 1 for x in nonstall) and nonstall[0] > 0
+    out = tmp_path / "export"
+    export_checkpoint(str(tmp_path / "run"), str(out))
+    head = load_eagle3(str(out))
+    assert (head.config.saguaro_c, head.config.saguaro_fanout) == (0.7, 2)
+
+    same = SpeculativeConfig(method="eagle3", model=str(out), num_speculative_tokens=3, saguaro_c=0.7, fanout=[2])
+    with caplog.at_level(logging.WARNING, logger="ssd_eagle.drafters"):
+        assert warn_saguaro_mismatch(head, same) is None
+        other = SpeculativeConfig(method="eagle3", model=str(out), num_speculative_tokens=3, saguaro_c=0.8,
+                                  fanout=[2])
+        message = warn_saguaro_mismatch(head, other)
+    assert "C=0.7, F=2" in message and "C=0.8" in message
+    assert message in caplog.text
+    geometric = SpeculativeConfig(method="eagle3", model=str(out), num_speculative_tokens=3, saguaro_c=0.7,
+                                  fanout_strategy="geometric", fanout_budget=12)
+    assert warn_saguaro_mismatch(head, geometric) is not None  # per-position F differs from the trained 2
+    last_only = SpeculativeConfig(method="eagle3", model=str(out), num_speculative_tokens=3, saguaro_c=0.7,
+                                  fanout=[2, 2, 2, 6])
+    assert warn_saguaro_mismatch(head, last_only) is None  # F_K (all accepted) scales no drafted token
+    miss = SpeculativeConfig(method="eagle3", model=str(out), num_speculative_tokens=3, saguaro_c=0.7, fanout=[2],
+                             fanout_miss=[4])
+    assert "[2, 4]" in warn_saguaro_mismatch(head, miss)
