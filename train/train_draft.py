@@ -380,20 +380,20 @@ class Trainer:
 
     def _forward(self, batch, num_steps: int | None = None):
         """Run the engine on a :class:`~train.features.TargetBatch`. Returns ``(loss, step_loss [K], step_correct
-        [K], step_count [K], hits [B, n, K])``."""
+        [K], step_count [K], hits [B, n, K], step_nonstall [K] or None)`` (summed P_ns of the Saguaro-aware
+        objective)."""
         if self.cfg.draft == "eagle3":
             targets = draft_targets(batch.last_hidden, self.lm_head_weight, self.head.draft_target_ids,
                                     self.head.t2d, argmax=batch.argmax)
             out = self.engine(batch.input_ids, batch.loss_mask, batch.aux_hidden.to(self.dtype), targets,
                               num_steps)
             hits = eagle3_hits(out.draft_argmax, self.head.draft_target_ids, batch.input_ids)
-            self.last_nonstall = out.step_nonstall  # summed P_ns per step (Saguaro-aware objective), or None
-            return out.loss, out.step_loss, out.step_correct, out.step_count, hits
+            return out.loss, out.step_loss, out.step_correct, out.step_count, hits, out.step_nonstall
         embeds = self.target_embed(batch.input_ids).detach()
         loss, argmax, valid = self.engine(embeds, batch.last_hidden, batch.loss_mask, self.lm_head_weight)
         correct = ((argmax == batch.argmax) & valid).sum().float()
         hits = draft_lm_hits(argmax, batch.input_ids, num_steps or EVAL_NUM_DRAFT)
-        return loss, loss.detach()[None], correct[None], valid.sum().float()[None], hits
+        return loss, loss.detach()[None], correct[None], valid.sum().float()[None], hits, None
 
     # --- evaluation ---------------------------------------------------------------------------------------
     @torch.no_grad()
@@ -411,7 +411,7 @@ class Trainer:
             idx = self.rank * per_rank + j
             real = idx < len(self.heldout)
             batch = self.heldout[min(idx, len(self.heldout) - 1)]["batch"]
-            _, _, c, n, hits = self._forward(batch, num_steps=k)
+            _, _, c, n, hits, _ = self._forward(batch, num_steps=k)
             if real:
                 stats.merge(simulate_acceptance(hits[0], batch.loss_mask[0], k))
                 correct += c.double().cpu()
@@ -485,7 +485,6 @@ class Trainer:
         window = {"loss": 0.0, "micro": 0, "ce": torch.zeros(k, dtype=torch.float64),
                   "correct": torch.zeros(k, dtype=torch.float64), "count": torch.zeros(k, dtype=torch.float64),
                   "nonstall": torch.zeros(k, dtype=torch.float64), "tokens": 0, "train_s": 0.0}
-        self.last_nonstall = None
         start_elapsed, t_start = self.state["elapsed_s"], time.perf_counter()
         metrics = self.state.get("last_metrics") or {}
         self.engine.train()
@@ -493,7 +492,7 @@ class Trainer:
             t0 = time.perf_counter()
             samples = self._micro_batch(self.state["micro_step"])
             batch = self._features(samples)
-            loss, step_loss, correct, count, _ = self._forward(batch)
+            loss, step_loss, correct, count, _, nonstall = self._forward(batch)
             self.engine.backward(loss)
             self.engine.step()
             window["train_s"] += time.perf_counter() - t0
@@ -503,8 +502,8 @@ class Trainer:
             window["ce"] += (step_loss.double() * count.double()).cpu()
             window["correct"] += correct.double().cpu()
             window["count"] += count.double().cpu()
-            if self.last_nonstall is not None:
-                window["nonstall"] += self.last_nonstall.double().cpu()
+            if nonstall is not None:
+                window["nonstall"] += nonstall.double().cpu()
             window["tokens"] += batch.num_tokens
             if self.state["micro_step"] % ga:
                 continue

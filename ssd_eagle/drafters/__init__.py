@@ -27,7 +27,6 @@ def warn_saguaro_mismatch(head, spec) -> str | None:
     return message
 
 
-
 def build_drafter(spec, target_model, num_slots: int, max_len: int) -> Drafter:
     """Build the drafter a :class:`~ssd_eagle.config.SpeculativeConfig` describes, next to ``target_model``.
 
