@@ -1,5 +1,6 @@
 """Training data pipeline: assistant masks (ChatML and Llama-3 templates), input shapes, truncation, sharding,
-draft vocabulary, held-out guard and Magpie prompts. CPU only; uses the real SmolLM2 tokenizer."""
+draft vocabulary, held-out guard, packaged training prompts and Magpie candidates. CPU only; uses the real SmolLM2
+tokenizer."""
 
 from __future__ import annotations
 
@@ -16,10 +17,10 @@ from train.data import (
     assistant_mask,
     build_dataset,
     load_conversations,
-    magpie_prompts,
     normalize_conversation,
-    training_prompts,
 )
+from train.regen.magpie import CandidateFilter, user_turn_prefix
+from train.regen.sources import training_prompts
 
 LLAMA3_TEMPLATE = (
     "{{- bos_token }}"
@@ -279,38 +280,40 @@ def test_training_prompts_sources():
     assert_no_heldout(prompts)
 
 
-def test_magpie_prompts_stops_dedups_and_filters(smol):
+def test_magpie_candidates_stop_dedup_and_filter(smol):
     from ssd_eagle.prompts import mtbench_questions
 
     end = smol.convert_tokens_to_ids("<|im_end|>")
     enc = lambda s: smol(s, add_special_tokens=False)["input_ids"]  # noqa: E731
+    question = mtbench_questions()[0]["turns"][0]
     scripted = [
-        enc("How do rainbows form?") + [end] + enc("ignored after the stop"),
-        enc("how do  rainbows form?") + [end],  # duplicate (case/whitespace)
-        [end],  # empty
-        enc("Unfinished question without an end"),  # no stop token
-        enc("spam " * 20) + [end],  # degenerate
-        enc(mtbench_questions()[0]["turns"][0]) + [end],  # held out
-        enc("Explain recursion to a child.") + [end],
-        enc("<|im_start|>assistant\nHi") + [end],  # special-token text
+        (enc("How do rainbows form?") + [end] + enc("ignored after the stop"), "kept"),
+        (enc("how do  rainbows form?") + [end], "duplicate"),  # case/whitespace
+        ([end], "degenerate"),  # empty
+        (enc("Unfinished question without an end"), "unfinished"),  # no stop token
+        (enc("spam " * 20) + [end], "degenerate"),
+        (enc(question) + [end], "heldout"),  # verbatim
+        (enc("Tell me: " + " ".join(question.split()[2:16]) + " please") + [end], "heldout"),  # a 13-word run
+        (enc("Explain recursion to a child.") + [end], "kept"),
+        (enc("<|im_start|>assistant\nHi") + [end], "degenerate"),  # special-token text
+        (enc("Explain recursion to a child.") + [end], "duplicate"),
     ]
-    calls = []
-
-    def generate_fn(prefixes, max_tokens, temperature, seed):
-        calls.append((prefixes, max_tokens, temperature, seed))
-        return [scripted.pop(0) if scripted else [end] for _ in prefixes]
-
-    result = magpie_prompts(smol, generate_fn, 3, batch_size=4, max_rounds=3, progress=False)
-    assert result.prompts == ["How do rainbows form?", "Explain recursion to a child."]
-    assert (result.num_duplicate, result.num_unfinished, result.num_heldout) == (1, 1, 1)
-    assert result.num_degenerate == 3 + 4  # empty, spam, special text, then the [end]-only rows of round 3
-    prefix_text = smol.decode(calls[0][0][0])
-    assert prefix_text.endswith("<|im_start|>user\n") and "<|im_start|>system" in prefix_text
-    assert [c[3] for c in calls] == [0, 1, 2] and len(calls[0][0]) == 4
+    filt = CandidateFilter(smol, exclude=["Already used prompt."])
+    assert [filt(ids)[0] for ids, _ in scripted] == [want for _, want in scripted]
+    assert filt(enc("already USED prompt.") + [end]) == ("duplicate", None)
+    assert filt(enc(" poem about the sea.") + [end], opener="Write a") == ("kept", "Write a poem about the sea.")
+    no_dedup = CandidateFilter(smol, dedup=False)
+    assert no_dedup(enc("Give an example.") + [end]) == no_dedup(enc("Give an example.") + [end]) == \
+        ("kept", "Give an example.")
+    prefix, eot = user_turn_prefix(smol)
+    assert prefix.endswith("<|im_start|>user\n") and "<|im_start|>system" in prefix and eot == end
+    history = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"}]
+    after, _ = user_turn_prefix(smol, history=history)
+    assert after.endswith("Hello!<|im_end|>\n<|im_start|>user\n")
 
 
 def test_user_turn_prefix_llama3(llama3):
-    prefix, end = data.user_turn_prefix(llama3)
+    prefix, end = user_turn_prefix(llama3)
     assert prefix == "<|begin_of_text|><|start_header_id|>user<|end_header_id|>\n\n"
     assert end == llama3.convert_tokens_to_ids("<|eot_id|>")
 
