@@ -16,7 +16,6 @@ Pack what the work folders hold so far (deduplicated, filtered, held-out guard; 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import random
 import sys
@@ -25,16 +24,6 @@ from pathlib import Path
 from train.regen.scheduler import RegenConfig
 
 REPO = Path(__file__).resolve().parents[2]
-_HELP = {
-    "greedy_fraction": "share of conversations decoded greedily (T = 0)",
-    "multi_turn_fraction": "share of conversations that get target-written follow-up turns",
-    "magpie_share": "share of new conversations that start with a Magpie candidate (while --num-magpie lasts)",
-    "num_magpie": "Magpie prompts to keep (steered across MT-Bench's kinds)",
-    "target_tokens": "stop starting conversations once this many assistant tokens are written (all runs)",
-    "time_limit_min": "minutes; then drain and exit (rerun to continue)",
-}
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="scripts/regenerate_data.py", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
@@ -50,12 +39,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--num-threads", type=int, default=1, help="torch threads")
     p.add_argument("--max-model-len", type=int, default=2048, help="longest prompt + turn (trainer max length)")
     p.add_argument("--no-progress", action="store_true")
-    for f in dataclasses.fields(RegenConfig):
-        if f.name == "stop_file":
+    for name, f in RegenConfig.model_fields.items():  # the flags of the config's fields (validated by it)
+        if name == "stop_file":
             continue
-        flag = "--time-limit" if f.name == "time_limit_min" else "--" + f.name.replace("_", "-")
-        kind = int if "int" in str(f.type) and "float" not in str(f.type) else float
-        p.add_argument(flag, dest=f.name, type=kind, default=f.default, help=_HELP.get(f.name, f"default {f.default}"))
+        flag = "--time-limit" if name == "time_limit_min" else "--" + name.replace("_", "-")
+        kind = int if int in (f.annotation, *getattr(f.annotation, "__args__", ())) else float
+        p.add_argument(flag, dest=name, type=kind, default=f.default,
+                       help=f"{f.description + '; ' if f.description else ''}default {f.default}")
     p.add_argument("--pack", default=None, metavar="OUT_DIR", help="pack the work folders into OUT_DIR and exit")
     p.add_argument("--merge", action="append", default=[], help="with --pack: rows of an earlier pack to include")
     args = p.parse_args(argv)
@@ -70,7 +60,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def regen_config(args: argparse.Namespace, work_dir: Path) -> RegenConfig:
-    values = {f.name: getattr(args, f.name) for f in dataclasses.fields(RegenConfig) if f.name != "stop_file"}
+    values = {name: getattr(args, name) for name in RegenConfig.model_fields if name != "stop_file"}
     return RegenConfig(**values, stop_file=work_dir / "stop")
 
 

@@ -25,33 +25,37 @@ from train.data import Message, render_template, special_token_ids
 from train.heldout import check_text
 from train.regen.filters import prompt_key
 
-#: Kinds of request (MT-Bench's eight categories) -> (system prompts describing the user, first words of requests).
-KINDS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
-    "writing": (("The user is a writer who asks an AI assistant for help drafting texts: stories, emails, "
-                 "poems, blog posts, speeches and product descriptions.",),
-                ("Write a", "Compose a", "Draft an email", "Write a short story about", "Help me write")),
-    "roleplay": (("The user asks an AI assistant to play a character, a profession or a famous person and to "
-                  "answer in that role.",),
-                 ("Pretend you are", "Imagine you are", "Act as a", "You are a", "Play the role of")),
-    "reasoning": (("The user asks an AI assistant logic puzzles, riddles and common-sense questions that need "
-                   "careful step-by-step thinking.",),
-                  ("If", "Suppose that", "A man has", "Which of these", "Is it true that")),
-    "math": (("The user asks an AI assistant to solve mathematics problems: arithmetic, algebra, geometry, "
-              "probability and number theory.",),
-             ("Solve", "Calculate", "What is the probability", "Find the value of", "How many")),
-    "coding": (("The user is a programmer who asks an AI assistant to write, fix or explain code.",),
-               ("Write a Python function", "How do I", "Fix this code", "Write a program that",
-                "What is the difference between")),
-    "extraction": (("The user gives an AI assistant a piece of text and asks it to pull out names, dates, "
-                    "numbers or facts, often as a list, a table or JSON.",),
-                   ("Extract", "From the following text", "List all the", "Read this and", "Identify the")),
-    "stem": (("The user asks an AI assistant questions about physics, chemistry, biology, engineering and "
-              "computer science.",),
-             ("Explain how", "What happens when", "Why does", "Describe the process of", "How does")),
-    "humanities": (("The user asks an AI assistant about history, philosophy, economics, law, art and "
-                    "culture.",),
-                   ("Discuss", "What were the causes of", "Compare", "How did", "What is the role of")),
-}
+# kind | who the user is (the system prompt) | first words of requests, separated by ";"
+_KIND_TABLE = """
+writing | The user is a writer who asks an AI assistant for help drafting texts: stories, emails, poems, blog posts, \
+speeches and product descriptions. | Write a; Compose a; Draft an email; Write a short story about; Help me write
+roleplay | The user asks an AI assistant to play a character, a profession or a famous person and to answer in that \
+role. | Pretend you are; Imagine you are; Act as a; You are a; Play the role of
+reasoning | The user asks an AI assistant logic puzzles, riddles and common-sense questions that need careful \
+step-by-step thinking. | If; Suppose that; A man has; Which of these; Is it true that
+math | The user asks an AI assistant to solve mathematics problems: arithmetic, algebra, geometry, probability and \
+number theory. | Solve; Calculate; What is the probability; Find the value of; How many
+coding | The user is a programmer who asks an AI assistant to write, fix or explain code. | Write a Python function; \
+How do I; Fix this code; Write a program that; What is the difference between
+extraction | The user gives an AI assistant a piece of text and asks it to pull out names, dates, numbers or facts, \
+often as a list, a table or JSON. | Extract; From the following text; List all the; Read this and; Identify the
+stem | The user asks an AI assistant questions about physics, chemistry, biology, engineering and computer \
+science. | Explain how; What happens when; Why does; Describe the process of; How does
+humanities | The user asks an AI assistant about history, philosophy, economics, law, art and culture. | Discuss; \
+What were the causes of; Compare; How did; What is the role of
+"""
+
+
+def _parse_kinds(table: str) -> dict[str, tuple[str, tuple[str, ...]]]:
+    out = {}
+    for line in table.strip().splitlines():
+        kind, system, openers = (part.strip() for part in line.split(" | "))
+        out[kind] = (system, tuple(o.strip() for o in openers.split(";")))
+    return out
+
+
+#: Kinds of request (MT-Bench's eight categories) -> (system prompt describing the user, first words of requests).
+KINDS: dict[str, tuple[str, tuple[str, ...]]] = _parse_kinds(_KIND_TABLE)
 
 _SPECIAL_TEXT = re.compile(r"<\|[^|>\s]{1,40}\|>|<(?:start|end)_of_turn>")
 
@@ -112,12 +116,11 @@ class Steering:
 
     @classmethod
     def for_candidate(cls, seed: int, index: int) -> Steering:
-        """Kinds in turn (candidate ``index`` gets kind ``index % 8``), prompt and opener drawn from
+        """Kinds in turn (candidate ``index`` gets kind ``index % 8``), the opener drawn from
         ``random.Random(f"steer:{seed}:{index}")``: a pure function of the run seed and the index."""
         kind = list(KINDS)[index % len(KINDS)]
-        systems, openers = KINDS[kind]
-        rng = random.Random(f"steer:{seed}:{index}")
-        return cls(kind, rng.choice(systems), rng.choice(openers))
+        system, openers = KINDS[kind]
+        return cls(kind, system, random.Random(f"steer:{seed}:{index}").choice(openers))
 
 
 class CandidateFilter:

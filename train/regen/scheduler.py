@@ -27,6 +27,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from pydantic import BaseModel, ConfigDict, Field
 from tqdm.auto import tqdm
 
 from ssd_eagle.engine.llm import render_chat
@@ -39,43 +40,42 @@ from train.regen.sources import Conversation, Plan, plan, single_turn
 from train.regen.store import RunLog, WorkDir
 
 
-@dataclass
-class RegenConfig:
+class RegenConfig(BaseModel):
     """What decides the generated content (recorded in the work folder; a resumed run must match), and when to
     stop (``time_limit_min``, ``target_tokens``, ``stop_file``: these may change between runs).
 
-    ``greedy_fraction`` of the conversations decode at T = 0 (the share that serves T = 0 drafting), the rest at
-    ``temperature``; ``multi_turn_fraction`` get 1..``max_followups`` target-written follow-up turns.
+    Raises:
+        ValueError: (pydantic's ``ValidationError``) a field out of range, naming it; an unknown field.
     """
 
-    max_new_tokens: int = 512
-    temperature: float = 0.7
-    top_p: float = 1.0
-    greedy_fraction: float = 0.5
-    multi_turn_fraction: float = 0.3
-    max_followups: int = 2
-    followup_max_tokens: int = 96
-    num_magpie: int = 0
-    magpie_share: float = 0.5
-    magpie_temperature: float = 1.0
-    magpie_max_tokens: int = 128
-    seed: int = 0
-    time_limit_min: float | None = None
-    target_tokens: int | None = None
-    stop_file: Path | None = None
+    model_config = ConfigDict(extra="forbid")
 
-    def __post_init__(self):
-        for name in ("greedy_fraction", "multi_turn_fraction", "magpie_share"):
-            if not 0.0 <= getattr(self, name) <= 1.0:
-                raise ValueError(f"{name} must be in [0, 1], got {getattr(self, name)}")
-        for name in ("max_new_tokens", "followup_max_tokens", "magpie_max_tokens"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+    max_new_tokens: int = Field(512, ge=1, description="cap of an assistant turn; a turn that reaches it ends on "
+                                "'length' and ends its conversation")
+    temperature: float = Field(0.7, ge=0.0, description="temperature of the sampled conversations")
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    greedy_fraction: float = Field(0.5, ge=0.0, le=1.0, description="share of the conversations decoded at T = 0 "
+                                   "(the data T = 0 drafting learns from)")
+    multi_turn_fraction: float = Field(0.3, ge=0.0, le=1.0, description="share of the conversations that get "
+                                       "1..max_followups target-written follow-up turns")
+    max_followups: int = Field(2, ge=0)
+    followup_max_tokens: int = Field(96, ge=1)
+    num_magpie: int = Field(0, ge=0, description="Magpie prompts to keep (steered across MT-Bench's kinds)")
+    magpie_share: float = Field(0.5, ge=0.0, le=1.0, description="share of new conversations that start with a "
+                                "Magpie candidate while num_magpie lasts")
+    magpie_temperature: float = Field(1.0, ge=0.0)
+    magpie_max_tokens: int = Field(128, ge=1)
+    seed: int = Field(0, description="seeds every choice (conversation plans, Magpie candidates and steering)")
+    time_limit_min: float | None = Field(None, gt=0.0, description="minutes; then drain (finish the requests in "
+                                         "flight and the started conversations) and return")
+    target_tokens: int | None = Field(None, ge=1, description="drain once this many assistant tokens are written "
+                                      "(this run and the earlier ones)")
+    stop_file: Path | None = Field(None, description="drain when this file exists")
 
     def content_settings(self) -> dict:
-        return {k: getattr(self, k) for k in ("max_new_tokens", "temperature", "top_p", "greedy_fraction",
-                                              "multi_turn_fraction", "max_followups", "followup_max_tokens",
-                                              "magpie_temperature", "magpie_max_tokens", "seed")}
+        """The fields that decide the content (``num_magpie``, ``magpie_share`` and the stop fields may change)."""
+        return self.model_dump(exclude={"num_magpie", "magpie_share", "time_limit_min", "target_tokens",
+                                        "stop_file"})
 
 
 @dataclass
