@@ -190,12 +190,13 @@ def code_passages(stdlib: Path, excluded: list[Path]) -> Iterator[Passage]:
         yield from found[:PER_FILE_CODE]
 
 
-def collect_passages(roots: Iterable[Path] | None = None, excluded: Iterable[Path] = ()) -> list[Passage]:
-    """Every passage under ``roots`` (default :func:`default_roots`; the first that is the standard library is read
-    for code), at most :data:`PER_PACKAGE` per top-level folder of a root, in walk order."""
+def collect_passages(roots: Iterable[Path] | None = None, excluded: Iterable[Path] = (),
+                     stdlib: Path | None = None) -> list[Passage]:
+    """Every passage under ``roots`` (default :func:`default_roots`), at most :data:`PER_PACKAGE` per top-level
+    folder of a root, in walk order; the root equal to ``stdlib`` (default: this Python's) is read for code too."""
     roots = list(roots) if roots is not None else default_roots()
     excluded = [Path(e) for e in excluded]
-    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    stdlib = Path(stdlib or sysconfig.get_paths()["stdlib"])
     out: list[Passage] = []
     seen_text: set[str] = set()
     for root in roots:
@@ -236,11 +237,12 @@ def make_prompt(passage: Passage, seed: int, variant: int = 0) -> tuple[str, str
 
 
 def grounded_conversations(num: int, seed: int, roots: Iterable[Path] | None = None,
-                           excluded: Iterable[Path] = (), variants: int = 2) -> list[Conversation]:
+                           excluded: Iterable[Path] = (), variants: int = 2,
+                           stdlib: Path | None = None) -> list[Conversation]:
     """``num`` single-turn conversations (fewer if the passages run out), ``variants`` per passage (each another
     task, :func:`make_prompt`), passages in the order of ``random.Random(f"grounded:{seed}")``; source
     ``grounded-<task>``, id ``grounded/<sha1 of the prompt, 16 hex>``."""
-    passages = collect_passages(roots, excluded)
+    passages = collect_passages(roots, excluded, stdlib)
     random.Random(f"grounded:{seed}").shuffle(passages)
     out, seen = [], set()
     for variant in range(variants):

@@ -64,6 +64,8 @@ def _cut(row: dict, turns: int) -> dict | None:
                 break
             seen += 1
         messages.append(m)
+    while messages[-1]["role"] != "assistant":  # the user turn whose answer was cut
+        messages.pop()
     gen = dict(row["gen"])
     for key in ("finish_reasons", "stop_reasons", "num_tokens"):
         gen[key] = gen[key][:turns]

@@ -179,7 +179,8 @@ class Regenerator:
         return self._prefix_cache[key]
 
     def _want_magpie(self) -> bool:
-        if self.magpie_kept + self._magpie_in_flight() >= self.cfg.num_magpie:
+        if self.magpie_kept + self._magpie_in_flight() >= self.cfg.num_magpie or \
+                self.next_candidate >= 4 * self.cfg.num_magpie + 16:  # a model that cannot write prompts
             return False
         started = self.started_magpie + self.started_listed
         return not self.listed or self.started_magpie < self.cfg.magpie_share * (started + 1)
