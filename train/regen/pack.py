@@ -3,7 +3,8 @@
 :func:`pack` reads the rows of one or more work folders (and, optionally, earlier packed files), then, in order:
 
 1. deduplicates (same id, or same user turns: :func:`~train.regen.filters.conversation_key`);
-2. cuts every conversation at its first repetitive assistant turn (:func:`~train.regen.filters.is_repetitive`);
+2. cuts every conversation at its first repetitive assistant turn (:func:`~train.regen.filters.is_repetitive`), and
+   after its first turn that ended on ``length`` (nothing is asked after a cut answer);
 3. drops a conversation any message of which touches a held-out prompt (:func:`train.heldout.check_text`);
 4. caps the share of assistant turns that ended on ``length`` at ``max_length_share``: conversations with such a
    turn, in the order of the sha1 of their id, are cut before that turn (dropped if nothing is left) until the
@@ -77,27 +78,48 @@ def _assistant_texts(row: dict) -> list[str]:
     return [m["content"] for m in row["messages"] if m["role"] == "assistant"]
 
 
+def _clean(row: dict, dropped: collections.Counter) -> dict | None:
+    """Step 2 on one row, and the held-out part of step 3 (None: the row is dropped)."""
+    texts = _assistant_texts(row)
+    bad = next((i for i, t in enumerate(texts) if is_repetitive(t)), None)
+    if bad is not None:
+        dropped["repetitive_turns"] += len(texts) - bad
+        row = _cut(row, bad)
+        if row is None:
+            return None
+    reasons = row["gen"]["finish_reasons"]
+    if "length" in reasons[:-1]:  # nothing is asked after a cut answer
+        dropped["turns_after_length"] += len(reasons) - reasons.index("length") - 1
+        row = _cut(row, reasons.index("length") + 1)
+    if any(check_text(m["content"]) is not None for m in row["messages"]):
+        dropped["heldout_overlap"] += 1
+        return None
+    return row
+
+
 def filter_rows(rows: Iterable[dict], max_length_share: float = 0.25) -> tuple[list[dict], dict]:
-    """Steps 1-4 of the module docstring; returns the kept rows and the counts of what was dropped or cut."""
+    """Steps 1-4 of the module docstring; returns the kept rows and the counts of what was dropped or cut.
+
+    Deduplication by user turns runs after the cuts (a cut can make two conversations equal), and a conversation
+    the length cap cuts down to one already present is dropped.
+    """
     dropped = collections.Counter()
-    out, ids, keys = [], set(), set()
+    ids: set[str] = set()
+    keys: dict[str, str] = {}
+    out = []
     for row in rows:
-        key = conversation_key(row["messages"])
-        if row["id"] in ids or key in keys:
+        if row["id"] in ids:
             dropped["duplicate"] += 1
             continue
         ids.add(row["id"])
-        keys.add(key)
-        texts = _assistant_texts(row)
-        bad = next((i for i, t in enumerate(texts) if is_repetitive(t)), None)
-        if bad is not None:
-            dropped["repetitive_turns"] += len(texts) - bad
-            row = _cut(row, bad)
-            if row is None:
-                continue
-        if any(check_text(m["content"]) is not None for m in row["messages"]):
-            dropped["heldout_overlap"] += 1
+        row = _clean(row, dropped)
+        if row is None:
             continue
+        key = conversation_key(row["messages"])
+        if key in keys:
+            dropped["duplicate"] += 1
+            continue
+        keys[key] = row["id"]
         out.append(row)
     turns = sum(len(r["gen"]["num_tokens"]) for r in out)
     length = sum(r["gen"]["finish_reasons"].count("length") for r in out)
@@ -106,12 +128,18 @@ def filter_rows(rows: Iterable[dict], max_length_share: float = 0.25) -> tuple[l
     for i in order:
         if length <= max_length_share * turns:
             break
-        reasons = out[i]["gen"]["finish_reasons"]
-        first = reasons.index("length")
-        length -= reasons.count("length")
-        turns -= len(reasons) - first
-        dropped["length_cap_turns"] += len(reasons) - first
-        out[i] = _cut(out[i], first)
+        reasons = out[i]["gen"]["finish_reasons"]  # "length" is the last one (see _clean)
+        del keys[conversation_key(out[i]["messages"])]
+        cut = _cut(out[i], len(reasons) - 1)
+        if cut is not None and conversation_key(cut["messages"]) in keys:
+            cut = None
+        kept_turns = len(cut["gen"]["num_tokens"]) if cut is not None else 0
+        if cut is not None:
+            keys[conversation_key(cut["messages"])] = cut["id"]
+        length -= 1
+        turns -= len(reasons) - kept_turns
+        dropped["length_cap_turns"] += len(reasons) - kept_turns
+        out[i] = cut
     return [r for r in out if r is not None], dict(dropped)
 
 
