@@ -25,6 +25,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from ssd_eagle.io import atomic_write, move_into_place
+
 CHECKPOINTS = "checkpoints"
 LATEST = "latest"
 DRAFT_DIR = "draft"
@@ -119,13 +121,9 @@ def commit_checkpoint(root: str | os.PathLike, tmp_tag: str, tag: str, keep: int
     """Rename ``root/tmp_tag`` to ``root/tag``, point ``latest`` at it (atomic replace), and delete all but the
     ``keep`` newest checkpoints and any stale temporary directory. Rank 0 only."""
     root = Path(root)
-    final = root / tag
-    if final.exists():
-        shutil.rmtree(final)
-    os.rename(root / tmp_tag, final)
-    tmp = root / f".{LATEST}.tmp"
-    tmp.write_text(tag + "\n")
-    os.replace(tmp, root / LATEST)
+    final = move_into_place(root / tmp_tag, root / tag)
+    with atomic_write(root / LATEST) as tmp:
+        tmp.write_text(tag + "\n")
     steps = sorted(p for p in root.iterdir() if p.is_dir() and p.name.startswith("step-"))
     for old in steps[:-keep]:
         shutil.rmtree(old, ignore_errors=True)

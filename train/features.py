@@ -31,6 +31,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
+from ssd_eagle.io import atomic_write
 from ssd_eagle.kv_cache import ForwardBatch
 from ssd_eagle.model_runner import ModelRunner
 
@@ -177,10 +178,8 @@ def write_feature_shards(samples: Iterable[dict], extractor: TargetFeatureExtrac
         if not shard:
             return
         name = f"{run}-rank{rank}-{shard_id:05d}.safetensors"
-        tmp = out / f".{name}.tmp"
-        save_file(shard, str(tmp))
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, out / name)
+        with atomic_write(out / name) as tmp:
+            save_file(shard, str(tmp))
         shard, shard_id = {}, shard_id + 1
 
     pending: list[dict] = []
@@ -213,9 +212,8 @@ def write_feature_shards(samples: Iterable[dict], extractor: TargetFeatureExtrac
         process(pending)
     flush()
     path = out / f"index-{run}-rank{rank}.json"
-    tmp = out / f".index-{run}-rank{rank}.json.tmp"
-    tmp.write_text(json.dumps(index))
-    os.replace(tmp, path)
+    with atomic_write(path) as tmp:
+        tmp.write_text(json.dumps(index))
     return path
 
 

@@ -20,6 +20,8 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
+from ssd_eagle.io import atomic_write
+
 COUNTS_FORMAT = "ssd_eagle.token_counts/v1"
 
 
@@ -118,10 +120,8 @@ def save_token_counts(path: str | os.PathLike, counts: torch.Tensor,
     nz = torch.nonzero(counts).flatten()
     doc = {"format": COUNTS_FORMAT, "vocab_size": counts.numel(), "total": int(counts.sum()),
            "counts": [[int(i), int(counts[i])] for i in nz], "metadata": dict(metadata or {})}
-    tmp = f"{os.fspath(path)}.tmp"
-    with open(tmp, "w") as f:
+    with atomic_write(path) as tmp, open(tmp, "w") as f:
         json.dump(doc, f)
-    os.replace(tmp, path)
 
 
 def load_token_counts(path: str | os.PathLike) -> tuple[torch.Tensor, dict]:

@@ -24,9 +24,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import tempfile
-import uuid
 import warnings
 from pathlib import Path
 
@@ -34,6 +31,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import LlamaConfig
 
+from ssd_eagle.io import atomic_write
 from ssd_eagle.model_runner import default_aux_layer_ids
 from ssd_eagle.models.eagle3 import (
     Eagle3Config,
@@ -146,29 +144,15 @@ def eagle3_config_dict(config: Eagle3Config, dtype_name: str | None = None) -> d
     return out
 
 
-def _write_atomically(out_dir: str | os.PathLike, files: dict[str, object]) -> Path:
-    """Write ``files`` (name -> JSON dict or tensor dict) into a fresh temp dir, then swap it in for ``out_dir``."""
-    out = Path(out_dir)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    try:
+def _write_folder(out_dir: str | os.PathLike, files: dict[str, object]) -> Path:
+    """Write ``files`` (name -> JSON dict or tensor dict) as the folder ``out_dir``, atomically (replaced)."""
+    with atomic_write(out_dir, folder=True) as tmp:
         for name, payload in files.items():
             if name.endswith(".json"):
                 (tmp / name).write_text(json.dumps(payload, indent=2) + "\n")
             else:
                 save_file(payload, str(tmp / name), metadata={"format": "pt"})
-        os.chmod(tmp, 0o755)
-        if out.exists():
-            old = out.parent / f".{out.name}.old-{uuid.uuid4().hex}"
-            os.rename(out, old)
-            os.rename(tmp, out)
-            shutil.rmtree(old)
-        else:
-            os.rename(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return out
+    return Path(out_dir)
 
 
 def _dtype_of(tensors: dict[str, torch.Tensor], fallback: str) -> str:
@@ -194,7 +178,7 @@ def save_eagle3(model: Eagle3DraftModel, out_dir: str | os.PathLike, dtype: torc
     """
     tensors = head_state_dict(model, dtype, include_embeddings)
     config = eagle3_config_dict(model.config, _dtype_of(tensors, model.config.torch_dtype))
-    return _write_atomically(out_dir, {CONFIG_NAME: config, WEIGHTS_NAME: tensors})
+    return _write_folder(out_dir, {CONFIG_NAME: config, WEIGHTS_NAME: tensors})
 
 
 def speculators_config_dict(config: Eagle3Config, dtype_name: str | None = None,
@@ -241,7 +225,7 @@ def save_speculators(model: Eagle3DraftModel, out_dir: str | os.PathLike, dtype:
     tensors = {_to_speculators_name(k): v for k, v in head_state_dict(model, dtype, include_embeddings).items()}
     config = speculators_config_dict(model.config, _dtype_of(tensors, model.config.torch_dtype),
                                      verifier_name_or_path, verifier_architectures, speculative_tokens)
-    return _write_atomically(out_dir, {CONFIG_NAME: config, WEIGHTS_NAME: tensors})
+    return _write_folder(out_dir, {CONFIG_NAME: config, WEIGHTS_NAME: tensors})
 
 
 def _to_speculators_name(name: str) -> str:
