@@ -11,22 +11,24 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers import AutoConfig, LlamaConfig
 
-from ssd_eagle.models.eagle3 import Eagle3Config, Eagle3DraftModel, build_vocab_mapping
-from ssd_eagle.models.eagle3_formats import (
-    CONVENTION_KEY,
-    HEAD_TENSOR_NAMES,
+from engine_loaders import (
     from_sglang_names,
     from_vllm_names,
-    head_state_dict,
-    load_eagle3,
-    save_eagle3,
-    save_speculators,
     sglang_param_layout,
     sglang_route,
     to_sglang_names,
     to_vllm_names,
     vllm_param_layout,
     vllm_route,
+)
+from ssd_eagle.models.eagle3 import Eagle3Config, Eagle3DraftModel, build_vocab_mapping
+from ssd_eagle.models.eagle3_formats import (
+    CONVENTION_KEY,
+    HEAD_TENSOR_NAMES,
+    head_state_dict,
+    load_eagle3,
+    save_eagle3,
+    save_speculators,
 )
 
 VOCAB, DRAFT_VOCAB, H, H_TARGET = 50, 20, 32, 24
