@@ -367,11 +367,13 @@ def test_vocab_mapping_kept_on_resume(tiny_setup, tmp_path):
     other.write_text("".join(json.dumps({"messages": [{"role": "user", "content": "q"}, {
         "role": "assistant", "content": "ZYXWVU 0123456789 !?%$#@ " * 3}]}) + "\n" for _ in range(8)))
     from train.vocab import build_draft_vocab, count_token_frequencies
-    fresh_d2t, _ = build_draft_vocab(count_token_frequencies(list(trainer.token_rows()), 257, progress=False), 24)
+    fresh_d2t, _ = build_draft_vocab(count_token_frequencies(list(trainer.data.token_rows()), 257, progress=False),
+                                     24)
     assert torch.equal(fresh_d2t, saved_d2t)  # sanity: this is how the first run chose it
     resumed, _ = run_trainer(**tiny_config(tiny_setup, out, data=str(other), max_steps=3, save_every=3,
                                            eval_every=0))
-    other_d2t, _ = build_draft_vocab(count_token_frequencies(list(resumed.token_rows()), 257, progress=False), 24)
+    other_d2t, _ = build_draft_vocab(count_token_frequencies(list(resumed.data.token_rows()), 257, progress=False),
+                                     24)
     assert not torch.equal(other_d2t, saved_d2t)
     assert torch.equal(resumed.head.d2t, saved_d2t)
     assert resumed.state["step"] == 3
@@ -392,11 +394,12 @@ def test_aux_ids_fed_in_training_equal_serving(tiny_setup, tmp_path):
     target, tok = trainer.target, trainer.tokenizer
     drafter = Eagle3Drafter.from_pretrained(str(export), target, num_slots=2, max_len=128)
     engine = LLMEngine(target, tok, drafter, num_speculative_tokens=3, max_num_seqs=2)
-    assert trainer.extractor.aux_layer_ids == (1, 4, 6)
-    assert engine.target.aux_layer_ids == trainer.extractor.aux_layer_ids == tuple(trainer.head.config.aux_layer_ids)
+    assert trainer.data.extractor.aux_layer_ids == (1, 4, 6)
+    extractor = trainer.data.extractor
+    assert engine.target.aux_layer_ids == extractor.aux_layer_ids == tuple(trainer.head.config.aux_layer_ids)
     # the same tensors: the engine's runner, the trainer's extractor, and transformers' hidden_states[i]
     ids = list(range(40, 60))
-    feats = trainer.extractor([{"input_ids": ids, "loss_mask": [1] * len(ids)}])
+    feats = trainer.data.extractor([{"input_ids": ids, "loss_mask": [1] * len(ids)}])
     batch = ForwardBatch.causal([ids], [0], [0], engine.target.dtype, engine.target.device)
     served = engine.target.forward(batch, capture_aux=True, compute_logits=False).aux_hidden
     torch.testing.assert_close(feats.aux_hidden, served)
@@ -428,8 +431,8 @@ def test_offline_features_are_incremental_and_equal_online(tiny_setup, tmp_path)
     assert len(store) == len(lines) and [e["conv"] for e in store.samples] == keys
 
     trainer, result = run_trainer(**values)
-    assert trainer.extractor is None and result["step"] == 2 and result["loss"] == result["loss"]
-    assert trainer.heldout  # held-out features still come from the target
+    assert trainer.data.extractor is None and result["step"] == 2 and result["loss"] == result["loss"]
+    assert trainer.data.heldout  # held-out features still come from the target
     sample = store[3]
     ex = TargetFeatureExtractor(trainer.target, trainer.aux_layer_ids, 1, 128)
     ref = ex([{"input_ids": sample["input_ids"].tolist(), "loss_mask": sample["loss_mask"].tolist()}])
