@@ -34,13 +34,8 @@ from transformers import LlamaConfig
 
 from ssd_eagle.io import atomic_write
 from ssd_eagle.model_runner import default_aux_layer_ids
-from ssd_eagle.models.eagle3 import (
-    Eagle3Config,
-    Eagle3DraftModel,
-    check_vocab_mapping,
-    normalize_rope_parameters,
-    text_config,
-)
+from ssd_eagle.models.eagle3 import Eagle3DraftModel, check_vocab_mapping
+from ssd_eagle.models.eagle3_config import Eagle3Config, normalize_rope_parameters, text_config
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
