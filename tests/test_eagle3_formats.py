@@ -1,5 +1,5 @@
-"""EAGLE-3 checkpoint formats: our export (NOTES section 5), strict loading, public layouts, speculators, and the
-vLLM / SGLang weight-name maps."""
+"""EAGLE-3 checkpoint formats: our export (``docs/design.md`` section 5), strict loading, public layouts,
+speculators, and the vLLM / SGLang weight-name maps (``tests/engine_loaders.py``)."""
 
 import dataclasses
 import json

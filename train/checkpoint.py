@@ -11,7 +11,7 @@
 
 A checkpoint is written under ``.tmp-step-...`` and renamed once complete, then ``latest`` is replaced; a crash
 leaves the previous checkpoint as the latest. ``draft/`` holds the EAGLE-3 head's tensors under the checkpoint
-names of ``NOTES.md`` section 5 (``d2t``/``t2d`` included, no embeddings), or the draft LM's trained tensors under
+names of ``docs/design.md`` section 5 (``d2t``/``t2d`` included, no embeddings), or the draft LM's trained tensors under
 ``LlamaForCausalLM`` names (no embedding/output layer: those are the frozen target's).
 """
 

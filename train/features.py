@@ -1,7 +1,7 @@
 """Target features for draft training: captured online through :class:`~ssd_eagle.model_runner.ModelRunner` (the
 code path serving uses) or precomputed once into safetensors shards (offline mode).
 
-Per token the trainer needs the target's aux hidden states (EAGLE-3 only; input-of-layer ids, ``NOTES.md``
+Per token the trainer needs the target's aux hidden states (EAGLE-3 only; input-of-layer ids, ``docs/design.md``
 section 2), its final-normed last hidden state (``p`` is recomputed from it through the frozen output layer: full
 logits would be ~200 KB a token) and its greedy next token (computed exactly, in float32, when the features are
 made, so storing the hidden states in 16 bits cannot move it).

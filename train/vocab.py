@@ -1,4 +1,4 @@
-"""The draft vocabulary of an EAGLE-3 head, chosen from loss-masked token frequencies (``NOTES.md`` section 3).
+"""The draft vocabulary of an EAGLE-3 head, chosen from loss-masked token frequencies (``docs/design.md`` section 3).
 
 Only tokens at ``loss_mask == 1`` positions (the assistant tokens the draft learns to predict) are counted. The
 ``draft_vocab_size`` most frequent ids (ties: lower id first) become the draft vocabulary, sorted by id and padded

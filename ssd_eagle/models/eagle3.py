@@ -1,8 +1,9 @@
 """The EAGLE-3 draft head (Li et al., "EAGLE-3: Scaling up Inference Acceleration of Large Language Models via
 Training-Time Test", arXiv 2503.01840), assembled from transformers' Llama modules (no modeling code copied).
 
-Per draft step (``NOTES.md`` section 1), with ``e = embed(token)`` from the target's frozen embeddings and ``h`` the
-fused target feature ``fc(concat(low, mid, high))`` on the first step, the head's own previous output afterwards::
+Per draft step (``docs/design.md`` section 1), with ``e = embed(token)`` from the target's frozen embeddings and
+``h`` the fused target feature ``fc(concat(low, mid, high))`` on the first step, the head's own previous output
+afterwards::
 
     x   = concat(input_layernorm(e), hidden_norm(h))          # [B, n, 2H]
     h'  = h + o_proj(attention(q/k/v_proj(x)))                 # residual is h, not the embedding
@@ -10,9 +11,9 @@ fused target feature ``fc(concat(low, mid, high))`` on the first step, the head'
     logits = lm_head(norm(out))                                # [B, n, draft_vocab]
 
 Draft id ``i`` is target id ``i + d2t[i]``; ``t2d[v]`` says whether target id ``v`` is in the draft vocabulary
-(``NOTES.md`` section 3). The head's configuration is :class:`~ssd_eagle.models.eagle3_config.Eagle3Config`; its aux
-layer ids use the input-of-layer convention of ``NOTES.md`` section 2, the same as :mod:`ssd_eagle.model_runner` and
-vLLM.
+(``docs/design.md`` section 3). The head's configuration is
+:class:`~ssd_eagle.models.eagle3_config.Eagle3Config`; its aux layer ids use the input-of-layer convention of
+``docs/design.md`` section 2, the same as :mod:`ssd_eagle.model_runner` and vLLM.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from ssd_eagle.models.eagle3_config import Eagle3Config
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# vocabulary mapping (NOTES section 3)
+# vocabulary mapping (``docs/design.md`` section 3)
 
 def build_vocab_mapping(used_target_ids: Iterable[int] | torch.Tensor, vocab_size: int,
                         draft_vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -79,7 +80,7 @@ def build_vocab_mapping(used_target_ids: Iterable[int] | torch.Tensor, vocab_siz
 def check_vocab_mapping(d2t: torch.Tensor, t2d: torch.Tensor, vocab_size: int) -> None:
     """Validate a (d2t, t2d) pair: int64/bool, draft ids map injectively into [0, V) and t2d marks exactly them.
 
-    Catches the reported failure modes of NOTES section 7 (zeroed or regenerated tensors that disagree).
+    Catches the reported failure modes of ``docs/design.md`` section 7 (zeroed or regenerated tensors that disagree).
 
     Raises:
         ValueError: describing the first inconsistency.

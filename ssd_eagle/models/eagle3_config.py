@@ -78,7 +78,8 @@ class Eagle3Config:
         vocab_size: the target vocabulary (length of ``t2d``, of the shared embeddings).
         draft_vocab_size: rows of ``lm_head`` (length of ``d2t``).
         target_hidden_size: H_target; ``fc`` maps ``3 * target_hidden_size -> hidden_size``.
-        aux_layer_ids: (low, mid, high) target layers whose *input* residual stream is captured (NOTES section 2).
+        aux_layer_ids: (low, mid, high) target layers whose *input* residual stream is captured
+            (``docs/design.md`` section 2).
         attention_bias, mlp_bias: Llama options (False for every public EAGLE-3 head).
         torch_dtype: dtype name of the weights ("float32", "bfloat16", ...).
         saguaro_c, saguaro_fanout: the Saguaro (C, F) the head was trained for, when it was (issue 7).

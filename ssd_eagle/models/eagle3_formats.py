@@ -1,4 +1,4 @@
-"""Checkpoint formats of the EAGLE-3 head: our export (``NOTES.md`` section 5, the layout vLLM and SGLang load),
+"""Checkpoint formats of the EAGLE-3 head: our export (``docs/design.md`` section 5, the layout vLLM and SGLang load),
 vLLM's speculators format, and import of the public layouts. (What vLLM's and SGLang's loaders make of our export
 is simulated for the tests in ``tests/engine_loaders.py``.)
 
@@ -67,7 +67,7 @@ _REQUIRED_LLAMA_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_a
 
 def head_state_dict(model: Eagle3DraftModel, dtype: torch.dtype | None = None,
                     include_embeddings: bool = False) -> dict[str, torch.Tensor]:
-    """The head's tensors under checkpoint names (NOTES section 5), on CPU, contiguous and unshared.
+    """The head's tensors under checkpoint names (``docs/design.md`` section 5), on CPU, contiguous and unshared.
 
     Floating tensors are cast to ``dtype`` when given; ``d2t`` stays int64 and ``t2d`` bool. The owned
     ``embed_tokens.weight`` is included only with ``include_embeddings`` (engines share the target's).
@@ -124,8 +124,8 @@ def _ssd_block(config: Eagle3Config) -> dict:
 
 
 def eagle3_config_dict(config: Eagle3Config, dtype_name: str | None = None) -> dict:
-    """The ``config.json`` of our export (NOTES section 5): what vLLM's ``Eagle3LlamaForCausalLM`` and SGLang's
-    ``LlamaForCausalLMEagle3`` read, plus the rope settings in both v5 and legacy keys, the declared aux-id
+    """The ``config.json`` of our export (``docs/design.md`` section 5): what vLLM's ``Eagle3LlamaForCausalLM`` and
+    SGLang's ``LlamaForCausalLMEagle3`` read, plus the rope settings in both v5 and legacy keys, the declared aux-id
     convention and an ``ssd_eagle`` block (Saguaro settings, free metadata) that engines ignore."""
     out = {"architectures": ["LlamaForCausalLMEagle3"]}
     out.update(_llama_fields(config, dtype_name or config.torch_dtype))
@@ -158,7 +158,8 @@ def _dtype_of(tensors: dict[str, torch.Tensor], fallback: str) -> str:
 
 def save_eagle3(model: Eagle3DraftModel, out_dir: str | os.PathLike, dtype: torch.dtype | None = None,
                 include_embeddings: bool = False) -> Path:
-    """Export the head in the layout vLLM and SGLang load (NOTES section 5), atomically (:func:`ssd_eagle.io.atomic_write`).
+    """Export the head in the layout vLLM and SGLang load (``docs/design.md`` section 5), atomically
+    (:func:`ssd_eagle.io.atomic_write`).
 
     Writes ``config.json`` (:func:`eagle3_config_dict`, ``tie_word_embeddings`` always false, ``torch_dtype`` =
     the written dtype) and ``model.safetensors`` (:func:`head_state_dict`: ``midlayer.*``, ``fc.weight``
@@ -213,7 +214,7 @@ def speculators_config_dict(config: Eagle3Config, dtype_name: str | None = None,
 def save_speculators(model: Eagle3DraftModel, out_dir: str | os.PathLike, dtype: torch.dtype | None = None,
                      verifier_name_or_path: str | None = None, verifier_architectures: list[str] | None = None,
                      speculative_tokens: int = 7, include_embeddings: bool = False) -> Path:
-    """Export in vLLM's speculators format (second export target, NOTES section 5), atomically.
+    """Export in vLLM's speculators format (second export target, ``docs/design.md`` section 5), atomically.
 
     Weights as :func:`save_eagle3` but with ``layers.0.*`` instead of ``midlayer.*`` (``Eagle3Speculator``
     naming); config from :func:`speculators_config_dict`.
