@@ -185,13 +185,20 @@ def _check_length(prompt_ids: list[int], max_tokens: int, max_model_len: int, vo
             "max_tokens" if max_tokens_given else prompt_param, "context_length_exceeded")
 
 
+async def _accept(request: Request, schema: type[CompletionRequest | ChatCompletionRequest]):
+    """Parse and check a completion request. Returns ``(server state, request body, the model name to answer
+    with)``; raises APIError 400/404/413 or RequestError for what the server refuses."""
+    server: ServerState = request.app.state.server
+    req = await parse_body(request, schema)
+    model = server.check_model(req.model)
+    req.check_supported()
+    return server, req, model
+
+
 @_v1_router.post("/completions")
 async def create_completion(request: Request):
     arrival = time.monotonic()
-    server: ServerState = request.app.state.server
-    req: CompletionRequest = await parse_body(request, CompletionRequest)
-    model = server.check_model(req.model)
-    req.check_supported()
+    server, req, model = await _accept(request, CompletionRequest)
     prompt = req.single_prompt()
     if isinstance(prompt, str):
         server.check_prompt_chars(len(prompt), "prompt")
@@ -212,10 +219,7 @@ async def create_completion(request: Request):
 @_v1_router.post("/chat/completions")
 async def create_chat_completion(request: Request):
     arrival = time.monotonic()
-    server: ServerState = request.app.state.server
-    req: ChatCompletionRequest = await parse_body(request, ChatCompletionRequest)
-    model = server.check_model(req.model)
-    req.check_supported()
+    server, req, model = await _accept(request, ChatCompletionRequest)
     requested = req.requested_max_tokens
     params = req.sampling_params(requested or 1, req.num_logprobs)
     messages = [m.to_template() for m in req.messages]

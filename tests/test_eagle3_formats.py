@@ -340,12 +340,17 @@ def check_layout(engine_state: dict, layout: dict, dtype):
         assert tensor.dtype == (want or dtype), name
 
 
-@pytest.mark.parametrize("with_embed", [False, True])
-def test_vllm_name_map_round_trip(with_embed):
+def head_and_state(with_embed: bool):
+    """A head (owning embeddings when ``with_embed``) and its checkpoint tensors."""
     model = make_head(target_hidden=H_TARGET)
     if with_embed:
         model.set_owned_embeddings(torch.randn(VOCAB, H, dtype=torch.float64))
-    ours = head_state_dict(model, include_embeddings=with_embed)
+    return model, head_state_dict(model, include_embeddings=with_embed)
+
+
+@pytest.mark.parametrize("with_embed", [False, True])
+def test_vllm_name_map_round_trip(with_embed):
+    model, ours = head_and_state(with_embed)
     engine = to_vllm_names(ours)
     layout = vllm_param_layout(model.config)
     check_layout(engine, layout, torch.float64)
@@ -362,10 +367,7 @@ def test_vllm_name_map_round_trip(with_embed):
 
 @pytest.mark.parametrize("with_embed", [False, True])
 def test_sglang_name_map_round_trip(with_embed):
-    model = make_head(target_hidden=H_TARGET)
-    if with_embed:
-        model.set_owned_embeddings(torch.randn(VOCAB, H, dtype=torch.float64))
-    ours = head_state_dict(model, include_embeddings=with_embed)
+    model, ours = head_and_state(with_embed)
     engine = to_sglang_names(ours)
     check_layout(engine, sglang_param_layout(model.config), torch.float64)
     assert engine["model.fc.weight"].shape == (H, 3 * H_TARGET)

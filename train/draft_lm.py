@@ -158,15 +158,6 @@ def kl_loss(hidden: torch.Tensor, target_hidden: torch.Tensor, lm_head_weight: t
     return total / max(rows.numel(), 1), argmax.view(b, n), valid
 
 
-@torch.no_grad()
-def draft_lm_argmax(hidden: torch.Tensor, lm_head_weight: torch.Tensor, chunk: int = 512) -> torch.Tensor:
-    """Greedy predictions of the draft at every position: [B, n, H] -> int64 [B, n]."""
-    flat = hidden.reshape(-1, hidden.shape[-1]).float()
-    w = lm_head_weight.float()
-    out = torch.cat([(flat[i:i + chunk] @ w.T).argmax(-1) for i in range(0, flat.shape[0], chunk)])
-    return out.view(hidden.shape[:-1])
-
-
 # ----------------------------------------------------------------------------------------------------------------
 # export / import
 

@@ -18,6 +18,11 @@ from transformers import LlamaConfig
 from ssd_eagle.model_runner import default_aux_layer_ids
 
 
+# the head's fields that are a one-layer Llama's, under the same names in ``LlamaConfig`` and in ``config.json``
+LLAMA_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
+                "head_dim", "hidden_act", "max_position_embeddings", "rms_norm_eps", "attention_bias", "mlp_bias")
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # helpers on transformers configs
 
@@ -172,22 +177,8 @@ class Eagle3Config:
 
     def to_llama_config(self) -> LlamaConfig:
         """A one-layer transformers ``LlamaConfig`` with this geometry (used to build the reused modules)."""
-        return LlamaConfig(
-            vocab_size=self.vocab_size,
-            hidden_size=self.hidden_size,
-            intermediate_size=self.intermediate_size,
-            num_hidden_layers=1,
-            num_attention_heads=self.num_attention_heads,
-            num_key_value_heads=self.num_key_value_heads,
-            head_dim=self.head_dim,
-            hidden_act=self.hidden_act,
-            max_position_embeddings=self.max_position_embeddings,
-            rms_norm_eps=self.rms_norm_eps,
-            rope_parameters=copy.deepcopy(self.rope_parameters),
-            attention_bias=self.attention_bias,
-            mlp_bias=self.mlp_bias,
-            tie_word_embeddings=False,
-        )
+        return LlamaConfig(num_hidden_layers=1, rope_parameters=copy.deepcopy(self.rope_parameters),
+                           tie_word_embeddings=False, **{name: getattr(self, name) for name in LLAMA_FIELDS})
 
     def validate_against_target(self, target_config) -> None:
         """Check that this head fits the target.

@@ -35,7 +35,7 @@ from transformers import LlamaConfig
 from ssd_eagle.io import atomic_write
 from ssd_eagle.model_runner import default_aux_layer_ids
 from ssd_eagle.models.eagle3 import Eagle3DraftModel, check_vocab_mapping
-from ssd_eagle.models.eagle3_config import Eagle3Config, normalize_rope_parameters, text_config
+from ssd_eagle.models.eagle3_config import LLAMA_FIELDS, Eagle3Config, normalize_rope_parameters, text_config
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
@@ -56,9 +56,7 @@ HEAD_TENSOR_NAMES = (
 )
 EMBED_NAME = "embed_tokens.weight"
 
-_LLAMA_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
-               "head_dim", "hidden_act", "max_position_embeddings", "rms_norm_eps", "rope_parameters", "rope_theta",
-               "rope_scaling", "attention_bias", "mlp_bias")
+_LLAMA_KEYS = LLAMA_FIELDS + ("rope_parameters", "rope_theta", "rope_scaling")  # what a config.json may give
 _REQUIRED_LLAMA_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_attention_heads")
 
 
@@ -99,20 +97,10 @@ def _llama_fields(config: Eagle3Config, dtype_name: str) -> dict:
     return {
         "model_type": "llama",
         "num_hidden_layers": 1,
-        "hidden_size": config.hidden_size,
-        "intermediate_size": config.intermediate_size,
-        "num_attention_heads": config.num_attention_heads,
-        "num_key_value_heads": config.num_key_value_heads,
-        "head_dim": config.head_dim,
-        "hidden_act": config.hidden_act,
-        "rms_norm_eps": config.rms_norm_eps,
-        "max_position_embeddings": config.max_position_embeddings,
+        **{name: getattr(config, name) for name in LLAMA_FIELDS},
         "rope_parameters": dict(config.rope_parameters),
         "rope_theta": theta,
         "rope_scaling": scaling,
-        "vocab_size": config.vocab_size,
-        "attention_bias": config.attention_bias,
-        "mlp_bias": config.mlp_bias,
         "tie_word_embeddings": False,
         "torch_dtype": dtype_name,
     }
@@ -331,21 +319,11 @@ def eagle3_config_from_dict(cfg: dict, target_config=None, dtype_name: str | Non
     ssd = cfg.get("ssd_eagle") or {}
     dtype_name = dtype_name or cfg.get("torch_dtype") or cfg.get("dtype") or layer.get("torch_dtype") or "float32"
     return Eagle3Config(
-        hidden_size=llama.hidden_size,
-        intermediate_size=llama.intermediate_size,
-        num_attention_heads=llama.num_attention_heads,
-        num_key_value_heads=llama.num_key_value_heads,
-        head_dim=llama.head_dim,
-        rms_norm_eps=llama.rms_norm_eps,
-        hidden_act=llama.hidden_act,
-        max_position_embeddings=llama.max_position_embeddings,
+        **{name: getattr(llama, name) for name in LLAMA_FIELDS},
         rope_parameters=normalize_rope_parameters(llama.rope_parameters),
-        vocab_size=llama.vocab_size,
         draft_vocab_size=cfg.get("draft_vocab_size") or llama.vocab_size,
         target_hidden_size=cfg.get("target_hidden_size") or llama.hidden_size,
         aux_layer_ids=_aux_ids(ids, cfg.get(CONVENTION_KEY), target_config, where),
-        attention_bias=llama.attention_bias,
-        mlp_bias=llama.mlp_bias,
         torch_dtype=dtype_name,
         saguaro_c=ssd.get("saguaro_c"),
         saguaro_fanout=ssd.get("saguaro_fanout"),
