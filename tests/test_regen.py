@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import EOS_ID, make_byte_tokenizer, make_tiny_llama
+from helpers import EOS_ID, make_byte_tokenizer, make_tiny_llama
 
 from ssd_eagle import prompts
 from ssd_eagle.engine.llm_engine import LLMEngine

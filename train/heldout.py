@@ -38,6 +38,7 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
+from ssd_eagle.io import atomic_write
 from train.conversations import normalize_conversation
 
 #: Words in the overlap check's n-grams (:func:`find_ngram_overlap`).
@@ -191,17 +192,13 @@ def generate_heldout(out_path: str | os.PathLike, *, model: str | None = None, s
     llm = LLM(model, max_num_seqs=batch_size) if model else LLM(max_num_seqs=batch_size)
     outs = llm.chat([r["messages"] for r in rows], SamplingParams(temperature=0.0, max_tokens=max_tokens),
                     use_tqdm=True)
-    out_path = Path(out_path)
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out_path.with_name(out_path.name + ".tmp")
-    with open(tmp, "w") as f:
+    with atomic_write(out_path) as tmp, open(tmp, "w") as f:
         for row, out in zip(rows, outs):
             completion = out.outputs[0]
             messages = row["messages"] + [{"role": "assistant", "content": completion.text}]
             f.write(json.dumps({"id": row["id"], "messages": messages,
                                 "gen": {"temperature": 0.0, "num_tokens": len(completion.token_ids),
                                         "finish_reason": completion.finish_reason}}) + "\n")
-    os.replace(tmp, out_path)
     return len(rows)
 
 

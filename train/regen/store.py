@@ -21,16 +21,17 @@ import sys
 import time
 from pathlib import Path
 
+from ssd_eagle.io import atomic_write
+
 SHARD_ROWS = 2000  # conversations per rows shard
 
 
 def write_atomic(path: str | os.PathLike, data: bytes | str) -> Path:
-    """Write ``data`` to ``path`` through a temporary sibling and a rename: readers see the old or the new file."""
+    """Write ``data`` to ``path`` atomically (:func:`ssd_eagle.io.atomic_write`): readers see the old or the new
+    file."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_bytes(data.encode() if isinstance(data, str) else data)
-    os.replace(tmp, path)
+    with atomic_write(path) as tmp:
+        tmp.write_bytes(data.encode() if isinstance(data, str) else data)
     return path
 
 
