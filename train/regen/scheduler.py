@@ -168,15 +168,17 @@ class Regenerator:
 
     def _prefix_ids(self, system_prompt: str | None, opener: str = "", history: list[dict] | None = None
                     ) -> list[int]:
-        """Token ids of the user-turn prefix (after ``history``, if given) followed by ``opener``."""
-        key = (system_prompt, opener)
-        if history or key not in self._prefix_cache:
+        """Token ids of the user-turn prefix (after ``history``, if given) followed by ``opener``; the prefixes of
+        new conversations (no history) are cached."""
+        def encode() -> list[int]:
             text = user_turn_prefix(self.tok, system_prompt, history=history or ())[0] + opener
-            ids = list(self.tok(text, add_special_tokens=False)["input_ids"])
-            if history:
-                return ids
-            self._prefix_cache[key] = ids
-        return self._prefix_cache[key]
+            return list(self.tok(text, add_special_tokens=False)["input_ids"])
+
+        if history:
+            return encode()
+        if (system_prompt, opener) not in self._prefix_cache:
+            self._prefix_cache[system_prompt, opener] = encode()
+        return self._prefix_cache[system_prompt, opener]
 
     def _want_magpie(self) -> bool:
         if self.magpie_kept + self._magpie_in_flight() >= self.cfg.num_magpie or \
