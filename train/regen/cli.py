@@ -1,16 +1,22 @@
 """Command line of ``scripts/regenerate_data.py``: regenerate into a work folder, or pack it into ``data/``.
 
 Regenerate (resumable: run the same command again to continue; ``--time-limit``, ``--target-tokens`` or creating
-``WORK/stop`` drains the run: requests in flight and started conversations finish, then it exits)::
+``WORK/stop`` drains the run: requests in flight and started conversations finish, then it exits). The run behind
+``data/smollm2-135m`` (one core, lowest priority, one torch thread)::
+
+    taskset -c 1 nice -n 19 python scripts/regenerate_data.py --work-dir ~/.cache/ssd_eagle/regen/smollm2-135m-v2 \\
+        --source builtin --source grounded --num-grounded 8000 --num-magpie 12000 --magpie-share 0.5 \\
+        --dtype bfloat16 --batch-size 96 --num-threads 1 --max-model-len 2048 --max-new-tokens 512 \\
+        --greedy-fraction 0.5 --multi-turn-fraction 0.3 --target-tokens 3500000
+
+Pack what the work folders hold so far, with the rows of an earlier pack (deduplicated, filtered, held-out guard;
+see :mod:`train.regen.pack`)::
 
     python scripts/regenerate_data.py --work-dir ~/.cache/ssd_eagle/regen/smollm2-135m-v2 \\
-        --source builtin --source grounded --num-grounded 8000 --num-magpie 8000 \\
-        --dtype bfloat16 --batch-size 32 --num-threads 1 --target-tokens 3000000
+        --pack data/smollm2-135m --merge ~/.cache/ssd_eagle/regen/format1-regenerated.jsonl.gz
 
-Pack what the work folders hold so far (deduplicated, filtered, held-out guard; see :mod:`train.regen.pack`)::
-
-    python scripts/regenerate_data.py --work-dir ~/.cache/ssd_eagle/regen/smollm2-135m-v2 \\
-        --pack data/smollm2-135m [--merge old/regenerated.jsonl.gz]
+(``format1-regenerated.jsonl.gz``: the float32 set committed before, ``git show
+8706665:data/smollm2-135m/regenerated.jsonl.gz``.)
 """
 
 from __future__ import annotations

@@ -251,7 +251,8 @@ def pack(work_dirs: Iterable[str | Path], out_dir: str | Path, *, merge: Iterabl
                           "rule": "all MT-Bench turns and HumanEval problems whose number is divisible by 4: no "
                                   "message of any row contains one (whitespace-normalised) or shares a run of "
                                   f"{OVERLAP_NGRAM} words with one (train.heldout.check_text)"},
-        "merged_files": [{"path": name, "rows": len(part)} for name, part in parts[: len(merge)]],
+        "merged_files": [{"path": name, "sha256": hashlib.sha256(Path(name).read_bytes()).hexdigest(),
+                          "rows": len(part)} for name, part in parts[: len(merge)]],
         "work_dirs": [_describe_work(w) for w in works],
     }
     write_atomic(out_dir / MANIFEST_NAME, json.dumps(manifest, indent=2, ensure_ascii=False) + "\n")
