@@ -268,3 +268,15 @@ def test_work_dir_cuts_a_torn_line_and_refuses_other_settings(tmp_path):
         work.check_settings({"seed": 1})
     with pytest.raises(ValueError, match="greedy_fraction"):
         RegenConfig(greedy_fraction=1.5)
+
+
+def test_cli_flags_come_from_the_config(tmp_path):
+    from train.regen import cli
+
+    args = cli.parse_args(["--work-dir", str(tmp_path), "--greedy-fraction", "0.4", "--target-tokens", "100",
+                           "--time-limit", "2.5", "--max-new-tokens", "64"])
+    cfg = cli.regen_config(args, tmp_path)
+    assert (cfg.greedy_fraction, cfg.target_tokens, cfg.time_limit_min, cfg.max_new_tokens) == (0.4, 100, 2.5, 64)
+    assert cfg.stop_file == tmp_path / "stop" and args.dtype == "bfloat16" and args.source == ["builtin", "grounded"]
+    with pytest.raises(ValueError, match="magpie_share"):
+        cli.regen_config(cli.parse_args(["--work-dir", str(tmp_path), "--magpie-share", "2"]), tmp_path)
