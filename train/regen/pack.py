@@ -206,13 +206,14 @@ def pack(work_dirs: Iterable[str | Path], out_dir: str | Path, *, merge: Iterabl
     Raises:
         HeldoutLeakError: the packed rows would contain a held-out prompt (cannot happen after step 3; the guard
             runs again on what is written).
-        ValueError: nothing to pack.
+        ValueError: nothing to pack (no rows, or none left after the filters).
     """
     works, merge = [WorkDir(w) for w in work_dirs], list(merge)
     parts = [(str(m), read_rows_file(Path(m))) for m in merge] + [(str(w.root), w.rows()) for w in works]
     rows, dropped = filter_rows((r for _, part in parts for r in part), max_length_share)
     if not rows:
-        raise ValueError("nothing to pack: the work folders hold no rows")
+        raise ValueError(f"nothing to pack: {sum(len(part) for _, part in parts)} rows read, none left after the "
+                         f"filters (dropped: {dropped})")
     assert_no_heldout([r["messages"] for r in rows])
     rows.sort(key=row_sort_key)
     payload = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows).encode()
