@@ -225,9 +225,9 @@ def test_tiny_end_to_end_regeneration_resume_and_pack(tiny_engine_parts, tmp_pat
     assert candidates and all(c["outcome"] in ("kept", "unfinished", "degenerate", "duplicate", "heldout")
                               for c in candidates)
     kept = [c for c in candidates if c["outcome"] == "kept"]
-    assert {f"magpie/{c['candidate']}" for c in kept} <= set(ids)
+    assert {f"magpie/{c['kind']}/{c['candidate']}" for c in kept} <= set(ids)
     sources = {r["id"]: r["source"] for r in rows}
-    assert all(sources[f"magpie/{c['candidate']}"] == f"magpie-{c['kind']}" for c in kept)
+    assert all(sources[f"magpie/{c['kind']}/{c['candidate']}"] == f"magpie-{c['kind']}" for c in kept)
     for r in rows:
         g, roles = r["gen"], [m["role"] for m in r["messages"]]
         assert roles[-1] == "assistant" and roles.count("assistant") == len(g["num_tokens"]) >= 1

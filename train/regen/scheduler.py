@@ -150,7 +150,7 @@ class Regenerator:
             self.listed.append(conv)
 
     def _list_magpie(self, k: int, kind: str, prompt: str, front: bool) -> None:
-        conv = single_turn(f"magpie/{k}", f"magpie-{kind}", prompt)
+        conv = single_turn(f"magpie/{kind}/{k}", f"magpie-{kind}", prompt)  # not "magpie/{k}": format 1's ids
         if conv.id not in self.done:
             (self.listed.appendleft if front else self.listed.append)(conv)
 
