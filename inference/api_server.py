@@ -20,7 +20,6 @@ A client that disconnects has its request aborted in the engine.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import hmac
 import json
 import logging
@@ -367,7 +366,7 @@ async def create_chat_completion(request: Request):
             raise RequestError(f"this model's maximum context length is {engine.max_model_len} tokens and the "
                                f"messages already take {len(ids)}", "messages", "context_length_exceeded")
         _check_length(ids, max_tokens, engine.max_model_len, engine.vocab_size, "messages", requested is not None)
-        return ids, dataclasses.replace(params, max_tokens=max_tokens)
+        return ids, params.model_copy(update={"max_tokens": max_tokens})  # >= 1: checked above
 
     formatter = _ChatFormatter(server, f"chatcmpl-{uuid.uuid4().hex}", model, req.logprobs, _include_usage(req))
     return await _serve(request, server, "chat", formatter, prepare, req.stream, arrival)
