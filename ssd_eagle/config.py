@@ -1,5 +1,6 @@
-"""Engine and speculative-decoding configuration, and the command-line surface shared by ``inference.generate``
-and ``inference.serve`` (defined here once; later features add flags, never rename them).
+"""Engine and speculative-decoding configuration (pydantic models, see :mod:`ssd_eagle.schema`), and the
+command-line surface shared by ``inference.generate`` and ``inference.serve`` (:data:`ENGINE_FLAGS`, derived from
+the models' fields; later features add flags, never rename them).
 
 Speculative settings follow vLLM: ``--speculative-config '{"method": "ngram", "num_speculative_tokens": 5}'``
 with vLLM's keys (``method``, ``model``, ``num_speculative_tokens``, ``prompt_lookup_min``, ``prompt_lookup_max``).
@@ -11,7 +12,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Annotated, Literal, get_args
+from typing import Annotated, Literal
 
 from pydantic import BeforeValidator, Field, model_validator
 
@@ -23,8 +24,6 @@ DEFAULT_SERVING_CONFIG = CONFIG_DIR / "default_serving.yaml"
 
 Method = Literal["ngram", "draft_model", "eagle3"]
 Mode = Literal["ar", "sd", "ssd"]
-METHODS = get_args(Method)
-MODES = get_args(Mode)
 
 
 def _as_list(value):

@@ -50,15 +50,21 @@ class ConfigModel(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
 
+def unknown_key(key: str, known, where: str) -> str:
+    """``unknown config key 'lrr' in <where> (did you mean lr?); known keys: ...``."""
+    close = difflib.get_close_matches(key, list(known), n=3)
+    hint = f" (did you mean {', '.join(close)}?)" if close else ""
+    return f"unknown config key {key!r} in {where}{hint}; known keys: {', '.join(sorted(known))}"
+
+
 def describe(err: ValidationError, known=(), where: str = "config") -> str:
-    """One line naming each bad key of a pydantic error (with close matches for an unknown key)."""
+    """One line naming each bad key of a pydantic error (with close matches for an unknown top-level key)."""
     parts = []
     for e in err.errors(include_url=False):
         key = ".".join(str(p) for p in e["loc"])
         if e["type"] == "extra_forbidden":
-            close = difflib.get_close_matches(str(e["loc"][-1]), list(known), n=3)
-            hint = f" (did you mean {', '.join(close)}?)" if close else ""
-            parts.append(f"unknown config key {key!r} in {where}{hint}; known keys: {', '.join(sorted(known))}")
+            parts.append(unknown_key(key, known, where) if len(e["loc"]) == 1 else
+                         f"unknown config key {key!r} in {where}")
         elif key:
             parts.append(f"config key {key!r} in {where}: {e['msg']}, got {e['input']!r}")
         else:  # a check across fields: its message names them
@@ -272,9 +278,7 @@ def yaml_values(flags, path: str | os.PathLike) -> dict:
     for key, value in load_yaml(path).items():
         flag = by_dest.get(str(key).replace("-", "_"))
         if flag is None:
-            close = difflib.get_close_matches(str(key).replace("-", "_"), list(by_dest), n=3)
-            hint = f" (did you mean {', '.join(close)}?)" if close else ""
-            raise ConfigError(f"{path}: unknown key {key!r}{hint}; known keys: {', '.join(sorted(by_dest))}")
+            raise ConfigError(unknown_key(str(key), by_dest, str(path)))
         out[flag.dest] = flag.from_yaml(value, str(path))
     return out
 

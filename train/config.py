@@ -16,7 +16,6 @@ from this config (micro batch, accumulation, clipping, bf16) and refuses ``optim
 from __future__ import annotations
 
 import argparse
-import difflib
 import json
 import os
 from pathlib import Path
@@ -26,7 +25,8 @@ import yaml
 from pydantic import Field, model_validator
 
 from ssd_eagle.assets import DEFAULT_MODEL
-from ssd_eagle.schema import ConfigError, ConfigModel, add_flags, command_line_values, flags_for, load_yaml, validated
+from ssd_eagle.schema import (ConfigError, ConfigModel, add_flags, command_line_values, flags_for, load_yaml,
+                              unknown_key, validated)
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 Dtype = Literal["float32", "bfloat16", "float16"]
@@ -202,14 +202,10 @@ def parse_args(argv: list[str]) -> TrainConfig:
         key = unknown[0].removeprefix("--").partition("=")[0].replace("-", "_")
         if not unknown[0].startswith("--") or not key:
             raise ConfigError(f"expected --key value on the command line, got {unknown[0]!r}")
-        close = difflib.get_close_matches(key, [f.dest for f in FLAGS], n=3)
-        hint = f" (did you mean {', '.join(close)}?)" if close else ""
-        raise ConfigError(f"unknown config key {key!r} in command line{hint}; known keys: "
-                          f"{', '.join(sorted(f.dest for f in FLAGS))}")
-    values = load_yaml(namespace.config) if namespace.config else {}
-    values = {str(key).replace("-", "_"): value for key, value in values.items()}
-    values.update(command_line_values(FLAGS, namespace))
-    return config_from_dict(values, "command line" if namespace.config is None else f"{namespace.config} / command line")
+        raise ConfigError(unknown_key(key, TrainConfig.model_fields, "command line"))
+    values = {**(load_yaml(namespace.config) if namespace.config else {}), **command_line_values(FLAGS, namespace)}
+    where = "command line" if namespace.config is None else f"{namespace.config} / command line"
+    return config_from_dict(values, where)
 
 
 def load_config(path: str | os.PathLike | None = None, overrides: list[str] | None = None) -> TrainConfig:
