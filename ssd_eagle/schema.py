@@ -227,13 +227,11 @@ class Flag:
                               f"got {text!r} ({why})") from None
 
     def from_yaml(self, value: Any, where: str) -> Any:
-        """A YAML value (strictly typed; ``null``: the default; one value for a list field: a list of it).
+        """A YAML value (strictly typed; one value for a list field: a list of it).
 
         Raises:
             ConfigError: a value of the wrong type or out of range, naming the key.
         """
-        if value is None:
-            return self.default
         if self._kind == "json":
             return value if isinstance(value, str) else json.dumps(value)
         if self._kind == "list" and not isinstance(value, list):
@@ -268,7 +266,8 @@ def command_line_values(flags, namespace: argparse.Namespace) -> dict:
 
 
 def yaml_values(flags, path: str | os.PathLike) -> dict:
-    """A YAML file of flag values (keys: the flags' ``dest`` with underscores or dashes), by ``dest``.
+    """A YAML file of flag values (keys: the flags' ``dest`` with underscores or dashes), by ``dest``; ``null``
+    leaves the flag at its default.
 
     Raises:
         ConfigError: an unknown key, a bad value, not a mapping. FileNotFoundError: no such file.
@@ -279,7 +278,8 @@ def yaml_values(flags, path: str | os.PathLike) -> dict:
         flag = by_dest.get(str(key).replace("-", "_"))
         if flag is None:
             raise ConfigError(unknown_key(str(key), by_dest, str(path)))
-        out[flag.dest] = flag.from_yaml(value, str(path))
+        if value is not None:
+            out[flag.dest] = flag.from_yaml(value, str(path))
     return out
 
 

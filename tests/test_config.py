@@ -108,7 +108,8 @@ def test_engine_and_sampling_flags():
 def test_serve_yaml_types_are_strict(tmp_path, monkeypatch):
     monkeypatch.setenv("SSD_EAGLE_API_KEY", "from-env")
     path = tmp_path / "serve.yaml"
-    path.write_text("served_model_name: [a, b]\nmax_model_len: 64\ngraceful_timeout: 5\nnum_speculative_tokens: 2\n")
+    path.write_text("served_model_name: [a, b]\nmax_model_len: 64\ngraceful_timeout: 5\nnum_speculative_tokens: 2\n"
+                    "api_key: null\n")  # null: the flag's default, here the environment's key
     args = serve_args(["--config", str(path), "--served-model-name", "c"])
     assert (args.served_model_name, args.max_model_len, args.graceful_timeout) == (["c"], 64, 5.0)
     assert args.api_key == "from-env" and engine_config_from_args(args).speculative_config.num_speculative_tokens == 2
