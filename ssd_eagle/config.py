@@ -161,7 +161,8 @@ class EngineConfig:
 
     Attributes:
         model: target model (local folder, packaged alias or hub id).
-        dtype: ``auto`` (float32 on CPU, bfloat16 on GPU), ``float32``, ``float64``, ``bfloat16``, ``float16``.
+        dtype: ``auto`` (bfloat16 where matmuls run bf16 natively, else float32; see :mod:`ssd_eagle.platform`),
+            ``float32``, ``float64``, ``bfloat16``, ``float16``.
         device: ``cpu`` or ``cuda[:i]`` for the target (the verifier).
         mode: ``ar``, ``sd`` or ``ssd``.
         speculative_config: the drafter (required for ``sd``/``ssd``; ignored for ``ar``).
@@ -208,11 +209,9 @@ class EngineConfig:
 
     @property
     def torch_dtype(self):
-        import torch
+        from ssd_eagle.platform import resolve_dtype
 
-        if self.dtype == "auto":
-            return torch.float32 if self.device == "cpu" else torch.bfloat16
-        return getattr(torch, self.dtype)
+        return resolve_dtype(self.dtype, self.device)
 
 
 def default_speculative_config() -> SpeculativeConfig:
@@ -253,7 +252,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g = parser.add_argument_group("engine")
     g.add_argument("--model", default=DEFAULT_MODEL,
                    help="target model: local folder, packaged alias or hub id (default: %(default)s, packaged)")
-    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "float64", "bfloat16", "float16"])
+    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "float64", "bfloat16", "float16"],
+                   help="auto: bfloat16 on CUDA and on CPUs with native bf16 matmuls (AVX512-BF16, AMX, Arm BF16), "
+                        "float32 elsewhere; unlike vLLM, auto is not the checkpoint's dtype")
     g.add_argument("--device", "--target-device", dest="device", default="cpu",
                    help="target (verifier) device, e.g. cpu or cuda:0")
     g.add_argument("--draft-device", default="cpu", help="speculator device in SSD mode, e.g. cpu or cuda:1")
