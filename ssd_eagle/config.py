@@ -17,6 +17,7 @@ from pathlib import Path
 import yaml
 
 from ssd_eagle.assets import DEFAULT_MODEL
+from ssd_eagle.platform import DTYPE_HELP, DTYPES, resolve_dtype
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 DEFAULT_SERVING_CONFIG = CONFIG_DIR / "default_serving.yaml"
@@ -209,8 +210,6 @@ class EngineConfig:
 
     @property
     def torch_dtype(self):
-        from ssd_eagle.platform import resolve_dtype
-
         return resolve_dtype(self.dtype, self.device)
 
 
@@ -252,9 +251,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g = parser.add_argument_group("engine")
     g.add_argument("--model", default=DEFAULT_MODEL,
                    help="target model: local folder, packaged alias or hub id (default: %(default)s, packaged)")
-    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "float64", "bfloat16", "float16"],
-                   help="auto: bfloat16 on CUDA and on CPUs with native bf16 matmuls (AVX512-BF16, AMX, Arm BF16), "
-                        "float32 elsewhere; unlike vLLM, auto is not the checkpoint's dtype")
+    g.add_argument("--dtype", default="auto", choices=DTYPES, help=DTYPE_HELP)
     g.add_argument("--device", "--target-device", dest="device", default="cpu",
                    help="target (verifier) device, e.g. cpu or cuda:0")
     g.add_argument("--draft-device", default="cpu", help="speculator device in SSD mode, e.g. cpu or cuda:1")

@@ -26,6 +26,8 @@ from pathlib import Path
 import torch
 
 DTYPES = ("auto", "float32", "float64", "bfloat16", "float16")
+DTYPE_HELP = ("auto: bfloat16 on CUDA and on CPUs with native bf16 matmuls (AVX512-BF16, AMX, Arm BF16), float32 "
+              "elsewhere; unlike vLLM, auto is not the checkpoint's dtype")
 BF16_FLAGS = ("avx512_bf16", "amx_bf16", "bf16")  # x86-64 AVX512-BF16, AMX-BF16; aarch64 FEAT_BF16
 REPORTED_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16", "bf16")
 _TORCH_FLAG_NAMES = {"avx512_f": "avx512f"}  # torch.cpu.get_capabilities() spelling -> /proc/cpuinfo spelling
