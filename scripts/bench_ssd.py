@@ -39,7 +39,9 @@ from ssd_eagle.config import EngineConfig, SpeculativeConfig
 from ssd_eagle.drafters import build_drafter
 from ssd_eagle.engine.llm import render_chat
 from ssd_eagle.engine.llm_engine import LLMEngine
-from ssd_eagle.exactness import TopTwoRecorder, argmax_consistent, judge
+from ssd_eagle.exactness import TopTwoRecorder, argmax_consistent, first_divergence, judge
+from ssd_eagle.kv_cache import ForwardBatch
+from ssd_eagle.model_runner import RunnerOutput
 from ssd_eagle.models.draft_lm import load_draft_model
 from ssd_eagle.platform import DTYPE_HELP, DTYPES, describe_line, resolve_dtype
 from ssd_eagle.prompts import heldout_prompts
@@ -57,6 +59,30 @@ class Config:
     spec: dict = field(default_factory=dict)
     cores: int = 1  # cores of the target (SD on both cores uses 2)
     hf: str | None = None  # "assisted" or "lookup"
+    fixed_width: bool = False  # shape-invariant: every target forward padded to K + 1 tokens (FixedWidthEngine)
+
+
+class FixedWidthEngine(LLMEngine):
+    """The shape-invariant experiment of issue 13: every round's target forward is padded to ``width`` tokens per
+    row, so a one-token AR step and a verification of fewer drafts run the same kernels as a full verification.
+    Pad tokens continue their row causally and write dead cache positions (as in any ragged batch); only the real
+    positions' logits are used. Chains only (trees keep their own shape)."""
+
+    def __init__(self, *args, width: int, **kwargs):
+        super().__init__(*args, **{**kwargs, "max_draft_tokens": max(kwargs.get("max_draft_tokens") or 0, width - 1)})
+        self.width = width
+
+    def _verify_forward(self, batch: ForwardBatch) -> RunnerOutput:
+        n = batch.input_ids.shape[1]
+        if n >= self.width or not batch.plain_causal:
+            return super()._verify_forward(batch)
+        ids = batch.input_ids.tolist()
+        tokens = [ids[b][: batch.num_tokens[b]] + [0] * (self.width - batch.num_tokens[b]) for b in range(len(ids))]
+        padded = ForwardBatch.causal(tokens, batch.slots.tolist(), batch.position_ids[:, 0].tolist(),
+                                     self.target.dtype, self.target.device)
+        out = super()._verify_forward(padded)
+        return RunnerOutput(out.logits[:, :n], None if out.aux_hidden is None else out.aux_hidden[:, :n],
+                            out.hidden[:, :n])
 
 
 def configs(args) -> dict[str, Config]:
@@ -83,6 +109,10 @@ def configs(args) -> dict[str, Config]:
         Config("ssd_eagle3_tree", "ssd", {**e3, **tree, "fanout_budget": B}),
         Config("hf_assisted", "hf", hf="assisted"),
         Config("hf_lookup", "hf", hf="lookup"),
+        # the shape-invariant experiment: judged bitwise against ar_fixed
+        Config("ar_fixed", "ar", fixed_width=True),
+        Config("sd_ngram_fixed", "sd", {"method": "ngram", "num_speculative_tokens": K}, fixed_width=True),
+        Config("sd_eagle3_fixed", "sd", e3, fixed_width=True),
     ]
     if head_saguaro:  # issue 7: the plain and the Saguaro-aware head served at the same (C, F), uniform fan-out
         c, f = saguaro_setting(args)
@@ -220,8 +250,9 @@ def main() -> None:
                 if cfg.mode == "hf":
                     runs.append(run_hf(model, assistant, prompts, params, cfg.hf, args.k))
                 else:
-                    engine = LLMEngine(model, tokenizer, drafter, num_speculative_tokens=K, max_num_seqs=1,
-                                       max_model_len=4096, max_draft_tokens=spec.max_draft_tokens if spec else 0)
+                    kind, width = (FixedWidthEngine, {"width": args.k + 1}) if cfg.fixed_width else (LLMEngine, {})
+                    engine = kind(model, tokenizer, drafter, num_speculative_tokens=K, max_num_seqs=1,
+                                  max_model_len=4096, max_draft_tokens=spec.max_draft_tokens if spec else 0, **width)
                     runs.append(run_engine(engine, prompts, params, record_top2=cfg.mode == "ar" and temp == 0))
             runs.sort(key=lambda r: r["tps"])
             r = dict(runs[len(runs) // 2], tps_min=runs[0]["tps"], tps_max=runs[-1]["tps"])
@@ -236,10 +267,16 @@ def main() -> None:
 
 
 def near_ties(rows) -> None:
-    """At T = 0: judge every configuration's output against AR's in the same run (ssd_eagle.exactness)."""
-    ar = next((r for r in rows if r["config"] == "ar" and r["temperature"] == 0), None)
+    """At T = 0: judge every configuration's output against AR's in the same run (ssd_eagle.exactness); a
+    shape-invariant (``_fixed``) configuration against ``ar_fixed``, and it should match bitwise."""
     for r in rows:
+        ar_name = "ar_fixed" if r["config"].endswith("_fixed") and r["config"] != "ar_fixed" else "ar"
+        ar = next((a for a in rows if a["config"] == ar_name and a["temperature"] == 0), None)
         if ar is None or r is ar or r["temperature"] != 0:
+            continue
+        if r["config"] == "ar_fixed":  # the padded AR against plain AR: does padding change the text?
+            r["diverged"] = f"{sum(first_divergence(a, b) is not None for a, b in zip(ar['outputs'], r['outputs']))}" \
+                            f"/{len(r['outputs'])}"
             continue
         divs = [judge(ref, top2, out) for ref, top2, out in zip(ar["outputs"], ar["top2"], r["outputs"])]
         found = [d for d in divs if d is not None]

@@ -44,10 +44,12 @@ class TopTwo:
 
 
 class TopTwoRecorder:
-    """Context manager recording :class:`TopTwo` of every row the model's output layer computes, in call order.
+    """Context manager recording :class:`TopTwo` of the first position of every sequence in each call of the model's
+    output layer (logits ``[B, n, V]``), in call order.
 
     For a batch-1 autoregressive decode by :class:`~ssd_eagle.engine.llm_engine.LLMEngine` (the last prompt
-    position at prefill, then one row per step) row i belongs to output token i.
+    position at prefill, then the step's token, first of its forward even when the forward is padded) record i
+    belongs to output token i.
     """
 
     def __init__(self, model):
@@ -56,7 +58,7 @@ class TopTwoRecorder:
         self._handle = None
 
     def _hook(self, module, args, logits: torch.Tensor) -> None:
-        values, ids = logits.detach().reshape(-1, logits.shape[-1]).topk(2, dim=-1)
+        values, ids = logits.detach().reshape(-1, logits.shape[-2], logits.shape[-1])[:, 0].topk(2, dim=-1)
         for (v1, v2), (i1, i2) in zip(values.float().tolist(), ids.tolist()):
             self.rows.append(TopTwo(v1, v2, i1, i2))
 

@@ -74,12 +74,15 @@ def scripts(assets, tmp_path_factory):
                                "--repeats", "1", "--threads", "1"),
         "bench_ssd": Script("scripts/bench_ssd.py", "--model", target, "--draft-lm", str(assets["draft_lm"]),
                             "--eagle3", str(assets["eagle3"]), "--eagle3-saguaro", "",
-                            "--configs", "ar,sd_ngram,sd_lm,ssd_lm_geo,sd_eagle3,ssd_eagle3,hf_lookup",
+                            "--configs", "ar,sd_ngram,sd_lm,ssd_lm_geo,sd_eagle3,ssd_eagle3,hf_lookup,ar_fixed,"
+                                         "sd_eagle3_fixed",
                             "--temperatures", "0,1", "--prompts", "1", "--max-tokens", "6", "--budget", "6",
                             "--out", str(out_dir)),
         "eval_draft": Script("scripts/eval_draft.py", "--model", target, "--draft", f"eagle3={assets['eagle3']}",
                              "--draft", f"draft_model={assets['draft_lm']}", "--limit", "1", "--max-tokens", "6",
                              "--batch", "2", "--threads", "1"),
+        "bench_forward": Script("scripts/bench_forward.py", "--model", target, "--context", "20", "--tokens", "1,3",
+                                "--dtypes", "float32,auto", "--repeats", "2", "--warmup", "1"),
         "gpu_throughput": Script("scripts/gpu_throughput.py", "--device", "cpu", "--layers", "1", "--tokens", "2"),
     }
     server = Server(assets["target"], tmp_path_factory.mktemp("server") / "server.log")  # (waits until healthy)
@@ -101,7 +104,8 @@ def test_bench_decode(scripts):
 def test_bench_ssd(scripts):
     out = scripts[0]["bench_ssd"].output()
     table = out.split("bound/reach")[0].rsplit("tok/s: median", 1)[1]
-    for name in ("ar", "sd_ngram", "sd_lm", "ssd_lm_geo", "sd_eagle3", "ssd_eagle3", "hf_lookup"):
+    for name in ("ar", "sd_ngram", "sd_lm", "ssd_lm_geo", "sd_eagle3", "ssd_eagle3", "hf_lookup", "ar_fixed",
+                 "sd_eagle3_fixed"):
         assert f"\n{name} " in table, f"{name} row missing"
     assert "!" not in table, "a divergence that is not a near tie, or a token that is not its verification's argmax"
     assert (scripts[1] / "results.csv").is_file()
@@ -110,6 +114,11 @@ def test_bench_ssd(scripts):
 def test_eval_draft(scripts):
     out = scripts[0]["eval_draft"].output()
     assert out.count("humaneval") >= 3 and "tau" in out
+
+
+def test_bench_forward(scripts):
+    out = scripts[0]["bench_forward"].output()
+    assert "\nfloat32 " in out and "\nauto " in out and "(x1.00)" in out
 
 
 def test_gpu_throughput_on_cpu(scripts):
