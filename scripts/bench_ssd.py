@@ -363,7 +363,8 @@ def plot_hit_rate(ranks: dict[str, list[int]], out_dir: Path) -> None:
     ax.set_xlabel("fan-out F (bonus candidates cached)")
     ax.set_ylabel("bonus-token hit rate")
     ax.set_ylim(0, 1)
-    ax.legend(fontsize=7)
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(out_dir / "hit_rate_vs_fanout.png", dpi=120)
     with open(out_dir / "power_law_fits.json", "w") as f:

@@ -69,6 +69,8 @@ class Script:
 def scripts(assets, tmp_path_factory):
     out_dir = tmp_path_factory.mktemp("bench_ssd")
     target = str(assets["target"])
+    # the server first: started next to five busy scripts on two cores it can miss its start-up timeout
+    server = Server(assets["target"], tmp_path_factory.mktemp("server") / "server.log")
     started = {
         "bench_decode": Script("scripts/bench_decode.py", "--model", target, "--prompts", "1", "--max-tokens", "6",
                                "--repeats", "1", "--threads", "1"),
@@ -84,10 +86,9 @@ def scripts(assets, tmp_path_factory):
         "bench_forward": Script("scripts/bench_forward.py", "--model", target, "--context", "20", "--tokens", "1,3",
                                 "--dtypes", "float32,auto", "--repeats", "2", "--warmup", "1"),
         "gpu_throughput": Script("scripts/gpu_throughput.py", "--device", "cpu", "--layers", "1", "--tokens", "2"),
+        "load_test": Script("scripts/load_test.py", "--url", server.url, "--clients", "2", "--duration", "1",
+                            "--warmup", "0", "--max-tokens", "4"),
     }
-    server = Server(assets["target"], tmp_path_factory.mktemp("server") / "server.log")  # (waits until healthy)
-    started["load_test"] = Script("scripts/load_test.py", "--url", server.url, "--clients", "2", "--duration", "1",
-                                  "--warmup", "0", "--max-tokens", "4")
     yield started, out_dir
     for script in started.values():
         if script.proc.poll() is None:
