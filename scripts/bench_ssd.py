@@ -136,9 +136,10 @@ def saguaro_setting(args) -> tuple[float, int]:
     return float(pick(args.saguaro_c, "saguaro_c", 0.7)), int(pick(args.saguaro_fanout, "saguaro_fanout", 3))
 
 
-def pin(cores: int) -> None:
+def pin(cores: int, first: int = 0) -> None:
+    """Run on ``cores`` cores from core ``first`` on (wrapping around), with as many torch threads."""
     available = sorted(os.sched_getaffinity(0) | set(range(os.cpu_count() or 1)))
-    os.sched_setaffinity(0, available[:cores])
+    os.sched_setaffinity(0, [available[(first + i) % len(available)] for i in range(min(cores, len(available)))])
     torch.set_num_threads(cores)
 
 
@@ -213,6 +214,8 @@ def main() -> None:
     ap.add_argument("--tree-budget", type=int, default=16)
     ap.add_argument("--tree-topk", type=int, default=4)
     ap.add_argument("--out", default=str(ROOT / "runs/bench_ssd"))
+    ap.add_argument("--first-core", type=int, default=0,
+                    help="pin from this core on (one-core configurations use only it; a shared machine can run two)")
     args = ap.parse_args()
 
     out_dir = Path(args.out)
@@ -220,7 +223,7 @@ def main() -> None:
     all_configs = configs(args)
     names = args.configs.split(",") if args.configs else list(all_configs)
     temps = [float(t) for t in args.temperatures.split(",")]
-    pin(1)
+    pin(1, args.first_core)
     dtype = resolve_dtype(args.dtype, "cpu")
     print(describe_line("cpu", dtype), flush=True)
     model, tokenizer = load_model(args.model, dtype=dtype)
@@ -229,7 +232,7 @@ def main() -> None:
     rows, ranks = [], {}
     for name in names:
         cfg = all_configs[name]
-        pin(2 if cfg.mode == "ssd" or cfg.cores == 2 else 1)
+        pin(2 if cfg.mode == "ssd" or cfg.cores == 2 else 1, args.first_core)
         spec = SpeculativeConfig.from_dict(cfg.spec) if cfg.spec else None
         drafter = assistant = None
         if cfg.mode == "sd":

@@ -2,7 +2,7 @@
 
 ``auto`` means **bfloat16 where the matmuls run bf16 natively, float32 elsewhere**:
 
-- CUDA: bfloat16 (float32 on a GPU that ``torch.cuda.is_bf16_supported()`` says lacks it).
+- CUDA: bfloat16 (float32 on a GPU that ``torch.cuda.is_bf16_supported()`` says lacks it, e.g. before Ampere).
 - CPU: bfloat16 when torch's oneDNN backend is built in (``torch.backends.mkldnn.is_available()``) and the CPU has
   bf16 dot-product instructions: ``avx512_bf16`` or ``amx_bf16`` on x86-64 (AVX512-BF16, AMX), ``bf16`` on
   aarch64 (Armv8.6 BF16). The flags come from ``torch.cpu.get_capabilities()`` (cpuinfo, torch >= 2.6) or else
@@ -99,8 +99,9 @@ def resolve_dtype(name: str, device: str | torch.device = "cpu", cpu: CpuInfo | 
     if name != "auto":
         return getattr(torch, name)
     kind = torch.device(device).type
-    if kind == "cuda":
-        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float32
+    if kind == "cuda":  # (resolved without a GPU too, e.g. a deployment config read on a CPU-only machine)
+        supported = not torch.cuda.is_available() or torch.cuda.is_bf16_supported()
+        return torch.bfloat16 if supported else torch.float32
     if kind == "cpu":
         return torch.bfloat16 if (cpu or cpu_info()).native_bf16 else torch.float32
     return torch.float32

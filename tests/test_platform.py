@@ -26,6 +26,13 @@ def test_auto_on_cpu_follows_native_bf16(cpu, expected):
     assert cpu.native_bf16 == (expected == torch.bfloat16)
 
 
+def test_auto_on_cuda_is_bfloat16():
+    if torch.cuda.is_available() and not torch.cuda.is_bf16_supported():
+        pytest.skip("this GPU has no bf16 (auto is float32 on it)")
+    assert resolve_dtype("auto", "cuda:0", AVX2_ONLY) == torch.bfloat16
+    assert EngineConfig(mode="ar", device="cuda:0").torch_dtype == torch.bfloat16
+
+
 def test_explicit_dtypes_are_kept_whatever_the_cpu():
     for name in ("float32", "float64", "bfloat16", "float16"):
         assert resolve_dtype(name, "cpu", AVX2_ONLY) == getattr(torch, name)
