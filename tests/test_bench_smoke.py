@@ -12,9 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import make_byte_tokenizer, make_tiny_llama
-from test_eagle3_drafter import make_head
-from test_engine import noisy_copy
+from helpers import eagle3_head_for, make_byte_tokenizer, make_tiny_llama, noisy_copy
 from test_server_uvicorn import Server
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -36,7 +34,7 @@ def assets(tmp_path_factory) -> dict[str, Path]:
     draft = noisy_copy(target, 0.05)
     draft.save_pretrained(paths["draft_lm"])
     tokenizer.save_pretrained(paths["draft_lm"])
-    save_eagle3(make_head(target.double()), paths["eagle3"], dtype=torch.float32)
+    save_eagle3(eagle3_head_for(target.double()), paths["eagle3"], dtype=torch.float32)
     return paths
 
 

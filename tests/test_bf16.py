@@ -10,12 +10,11 @@ import json
 import pytest
 import torch
 
-from conftest import make_tiny_llama
+from helpers import make_tiny_llama, noisy_copy, random_prompts
 from ssd_eagle.drafters import DraftModelDrafter, NgramDrafter
 from ssd_eagle.engine.llm_engine import LLMEngine
 from ssd_eagle.exactness import TopTwo, TopTwoRecorder, argmax_consistent, judge, near_tie_bound
 from ssd_eagle.sampling_params import SamplingParams
-from test_engine import noisy_copy, random_prompts
 from test_ssd import ssd_engine
 
 K = 4
