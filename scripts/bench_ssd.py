@@ -322,7 +322,8 @@ def report(rows, ranks, out_dir: Path, args, platform_line: str) -> None:
     fmt = lambda v, spec: format(v, spec) if v is not None else "-"  # noqa: E731
     for r in rows:
         ar = by.get(("ar", r["temperature"]))
-        sd = by.get(("sd_eagle3" if "eagle3" in r["config"] else "sd_lm", r["temperature"]))
+        sd = by.get(("sd_eagle3" if "eagle3" in r["config"] else "sd_lm", r["temperature"])) \
+            if r["config"].startswith(("ssd_", "hf_")) else None  # xSD: SSD (or transformers) over the same draft's SD
         bound, reached = bounds(r, by)
         spread = f"{r['tps_min']:.2f}-{r['tps_max']:.2f}"
         div = r.get("diverged", "-") + ("" if r.get("near_ties_ok", True) and r.get("argmax_ok") is not False
