@@ -66,7 +66,13 @@ class FixedWidthEngine(LLMEngine):
     """The shape-invariant experiment of issue 13: every round's target forward is padded to ``width`` tokens per
     row, so a one-token AR step and a verification of fewer drafts run the same kernels as a full verification.
     Pad tokens continue their row causally and write dead cache positions (as in any ragged batch); only the real
-    positions' logits are used. Chains only (trees keep their own shape)."""
+    positions' logits are used. Chains only (trees keep their own shape).
+
+    Measured 2026-12-01 (SmolLM2-135M, bfloat16, AMD EPYC with avx512_bf16, 12 held-out prompts x 64 tokens, K = 5):
+    padding alone does not make SD bitwise equal to AR. Against padded AR, 1/12 (n-gram) and 3/12 (EAGLE-3) prompts
+    still diverge, against 4/12 and 6/12 unpadded SD vs plain AR, all at near ties: the token's row within the
+    verification and the attended length still change the kernels' summation. A 6-token forward costs ~1.2x a
+    one-token forward in bf16 there (scripts/bench_forward.py), ~1.9x in float32."""
 
     def __init__(self, *args, width: int, **kwargs):
         super().__init__(*args, **{**kwargs, "max_draft_tokens": max(kwargs.get("max_draft_tokens") or 0, width - 1)})
