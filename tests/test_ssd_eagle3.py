@@ -16,7 +16,7 @@ from ssd_eagle.kv_cache import ForwardBatch
 from ssd_eagle.model_runner import ModelRunner
 from ssd_eagle.sampling_params import SamplingParams
 from ssd_eagle.ssd import build_ssd_drafter
-from ssd_eagle.ssd.backends import Eagle3Backend
+from ssd_eagle.drafters.backends import Eagle3Backend
 from ssd_eagle.ssd.speculator import Speculator, SpecRequest
 from test_eagle3_drafter import make_head
 from test_engine import random_prompts, reference_greedy
@@ -63,8 +63,8 @@ def test_a_seeded_round_runs_fewer_drafter_forwards_than_an_unseeded_one(target_
         before = speculator.stats.backup_forwards
         replies = original(requests)
         for reply in replies:
-            if reply.hit is not None:
-                forwards[reply.hit].append(speculator.stats.backup_forwards - before)
+            if reply.cache_hit is not None:
+                forwards[reply.cache_hit].append(speculator.stats.backup_forwards - before)
         return replies
 
     speculator.propose = counting
@@ -88,7 +88,7 @@ def test_eagle3_speculator_state_after_a_miss_equals_a_fresh_computation(target_
         uncached.extend(len(speculator.seqs[r.slot].token_ids) - speculator.seqs[r.slot].num_cached for r in requests)
         replies = original(requests)
         for req, reply in zip(requests, replies):
-            if reply.hit is False and req.budget == K:
+            if reply.cache_hit is False and req.budget == K:
                 misses.append((list(speculator.seqs[req.slot].token_ids), reply.tokens))
         return replies
 
