@@ -151,8 +151,8 @@ def encode_replies(replies) -> tuple[torch.Tensor, torch.Tensor | None]:
     ints, qs = [len(replies)], []
     for r in replies:
         is_tree = r.parents is not None
-        ints += [-1 if r.cache_hit is None else int(r.cache_hit), -1 if r.lookup_k is None else r.lookup_k, len(r.tokens),
-                 int(r.q is not None), int(is_tree), *r.tokens, *(r.parents if is_tree else [])]
+        ints += [-1 if r.cache_hit is None else int(r.cache_hit), -1 if r.lookup_k is None else r.lookup_k,
+                 len(r.tokens), int(r.q is not None), int(is_tree), *r.tokens, *(r.parents if is_tree else [])]
         if r.q is not None:
             qs.append(r.q.reshape(-1).cpu())
     return torch.tensor(ints, dtype=torch.long), (torch.cat(qs) if qs else None)
