@@ -74,6 +74,12 @@ class DraftBackend(ABC):
         """Target aux states [m, 3 * H_target] -> draft features [m, H] (EAGLE-3 only)."""
         raise NotImplementedError(f"{type(self).__name__} takes no target features")
 
+    def append_features(self, pending: torch.Tensor | None, aux: torch.Tensor) -> torch.Tensor:
+        """``pending`` [m, H] (or None) followed by the fused features of ``aux`` [k + 1, 3 * H_target], the target's
+        states of the verified inputs now committed (EAGLE-3 only)."""
+        new = self.fuse(aux)
+        return new if pending is None else torch.cat([pending, new])
+
     def extend(self, slots: list[int], chunks: list[list[int]], starts: list[int],
                features: list[torch.Tensor] | torch.Tensor | None = None) -> DraftOut:
         """Causal forward of ``chunks[b]`` at cache positions ``starts[b]..`` of slot ``slots[b]``.

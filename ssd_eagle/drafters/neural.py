@@ -54,7 +54,7 @@ def draft_from_committed(backend: DraftBackend, seqs: list, num_cached: list[int
 @dataclass
 class _State:
     num_cached: int  # first token position whose draft cache entry is not valid for the committed text
-    pending: torch.Tensor | None = None  # EAGLE-3: fused target features of token positions num_cached ..
+    pending: torch.Tensor | None = None  # EAGLE-3: features of token positions num_cached .. len(token_ids) - 1
     base: int = 0  # len(token_ids) when the last proposal was made (0: none since the last verification)
     fed: int = 0  # drafts of that proposal fed at their own positions
 
@@ -105,8 +105,7 @@ class NeuralDrafter(Drafter):
     def on_verified(self, seq, num_accepted: int, aux: torch.Tensor | None) -> None:
         st = self.states[seq.request_id]
         if self.backend.needs_aux:
-            new = self.backend.fuse(aux)
-            st.pending = new if st.pending is None else torch.cat([st.pending, new])
+            st.pending = self.backend.append_features(st.pending, aux)
         elif st.base:
             st.num_cached = st.base + min(num_accepted, st.fed)
         st.base = 0

@@ -94,7 +94,7 @@ class Speculator:
     """Speculation cache, outcome prediction, branch drafting and backups for many sequences.
 
     Args:
-        backend: the draft (:mod:`ssd_eagle.ssd.backends`).
+        backend: the draft (:mod:`ssd_eagle.drafters.backends`, the SD drafters' own).
         num_speculative_tokens: K (chain length, or the depth cap of trees).
         fanout: F_0..F_K used after a hit (and after the first round); for trees its sum is the budget B.
         fanout_miss: F_0..F_K used after a miss (default: ``fanout``).
@@ -185,8 +185,7 @@ class Speculator:
         proposal = seq.proposal
         seq.token_ids.extend(list(path) + [bonus])
         if self.backend.needs_aux:
-            new = self.backend.fuse(req.aux)
-            seq.pending = new if seq.pending is None else torch.cat([seq.pending, new])
+            seq.pending = self.backend.append_features(seq.pending, req.aux)
         elif proposal is not None:
             # the accepted path is cached where it lies only for a chain (trees are fed again)
             seq.num_cached = seq.path_base + (len(path) if proposal.parents is None else 0)
@@ -351,27 +350,28 @@ class Speculator:
         return tokens, root_pos, base, feats, region, F
 
     def _draft_branch_chains(self, seqs: list[_Seq], branches: list[list[dict]]) -> None:
-        """K tokens for every branch: K tree-masked forwards over all branches of all rows at once (branch i of
-        row r writes its t-th token at ``region_r + t * F + i`` and sees its own earlier tokens)."""
+        """K tokens for every branch: K tree-masked forwards over all branches of all rows at once. Branch i of
+        row r writes its root at cache position ``region_r + i`` and its token of chain index j at
+        ``region_r + (j + 1) * F + i``; it sees the committed text, the path to its node and its own writes."""
         tokens, positions, base, feats, region, F = self._branch_batch(seqs, branches)
         B = len(seqs)
         slots = [s.slot for s in seqs]
         branch_idx = torch.arange(F)[None, :]
 
-        def feed(rows, toks: torch.Tensor, hidden: torch.Tensor | None, t: int):
-            """The branches' tokens of chain index t - 1 (t = 0: the branch roots), all B * F rows."""
-            write = region + t * F + branch_idx  # [B, F]
+        def feed(rows, toks: torch.Tensor, hidden: torch.Tensor | None, index: int):
+            """The draft_chain feed over all B * F branches: their tokens of chain index ``index`` (-1: the roots)."""
+            write = region + (index + 1) * F + branch_idx  # [B, F]
             cols = torch.arange(max(int(write.max()) + 1, base.shape[-1]))[None, None, :]
             visible = (cols >= region[..., None]) & ((cols - region[..., None]) % F == branch_idx[..., None]) & \
                 (cols <= write[..., None])
             visible[..., : base.shape[-1]] |= base
-            logits, out = self.backend.step(slots, toks.view(B, F).cpu(), positions + t, write, visible,
+            logits, out = self.backend.step(slots, toks.view(B, F).cpu(), positions + index + 1, write, visible,
                                             None if hidden is None else hidden.view(B, F, -1))
             return logits.reshape(B * F, -1), (out.reshape(B * F, -1) if out is not None else None)
 
-        logits, hidden = feed(None, tokens, feats, 0)
-        chains = draft_chain(lambda rows, toks, h, index: feed(rows, toks, h, index + 1), logits, hidden,
-                             [seq for seq in seqs for _ in range(F)], [self.K] * (B * F), self.saguaro)
+        logits, hidden = feed(None, tokens, feats, -1)
+        chains = draft_chain(feed, logits, hidden, [seq for seq in seqs for _ in range(F)], [self.K] * (B * F),
+                             self.saguaro)
         for r, (seq, row) in enumerate(zip(seqs, branches)):
             for i, br in enumerate(row):
                 seq.cache[br["key"]] = chains[r * F + i]
