@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from conftest import make_tiny_llama
+from helpers import eagle3_head_for, make_tiny_llama, random_prompts, reference_greedy
 from ssd_eagle.config import EngineConfig, SpeculativeConfig
 from ssd_eagle.drafters.backends import Eagle3Backend
 from ssd_eagle.drafters.eagle3 import Eagle3Drafter
@@ -22,8 +22,6 @@ from ssd_eagle.model_runner import ModelRunner
 from ssd_eagle.sampling_params import SamplingParams
 from ssd_eagle.ssd import build_ssd_drafter
 from ssd_eagle.ssd.speculator import Speculator, SpecRequest
-from test_eagle3_drafter import make_head
-from test_engine import random_prompts, reference_greedy
 
 K = 3
 
@@ -48,7 +46,7 @@ def target_aux(target, head, committed: list[int]) -> torch.Tensor:
 @pytest.fixture(scope="module")
 def target_and_head():
     target = make_tiny_llama(seed=4, num_layers=8, vocab_size=80, max_positions=256)
-    return target, make_head(target, draft_vocab=80)
+    return target, eagle3_head_for(target, draft_vocab=80)
 
 
 @pytest.mark.parametrize("tree", [0, 6], ids=["chain", "tree"])

@@ -64,7 +64,7 @@ class TrainConfig:
 
     EAGLE-3:
         draft_vocab_size: rows of the head's ``lm_head`` (the most frequent loss-masked target tokens).
-        aux_layer_ids: input-of-layer ids (NOTES section 2); None: ``(2, L//2, L-3)``.
+        aux_layer_ids: input-of-layer ids (``docs/design.md`` section 2); None: ``(2, L//2, L-3)``.
         ttt_steps, ttt_decay: training-time-test unroll length and per-step loss weight ``decay**i``.
         saguaro_c: train a Saguaro-aware head for Saguaro sampling with this C in (0, 1] (None: plain head);
             saguaro_fanout: the F it is trained for (cached bonus candidates per position); saguaro_weight: weight
