@@ -47,7 +47,7 @@ class DraftBackend(ABC):
         needs_aux: the draft takes target features (EAGLE-3); hidden_size: their width H (None otherwise).
         aux_layer_ids: the target layers whose aux states the draft needs (None without features).
         dtype, device, kv: the draft's dtype, device and cache.
-        forwards: draft forwards run so far (``extend`` and ``step``; prefill is not counted).
+        forwards: calls of :meth:`forward` so far (``extend`` and ``step`` run through it; prefill does not).
     """
 
     offset = 0
@@ -62,7 +62,10 @@ class DraftBackend(ABC):
     @abstractmethod
     def prefill(self, slot: int, token_ids: list[int], aux: torch.Tensor | None) -> torch.Tensor | None:
         """Cache every committed token but the last (``token_ids`` = prompt + first sampled token). Returns the
-        features not yet fed, float [m, H] (EAGLE-3: the last token's), or None."""
+        features not yet fed (EAGLE-3: the last token's, float [1, H]), or None.
+
+        Raises:
+            ValueError: an EAGLE-3 draft without ``aux``."""
 
     @abstractmethod
     def forward(self, batch: ForwardBatch, features: torch.Tensor | None,
