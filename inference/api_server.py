@@ -22,7 +22,6 @@ body parsing, :mod:`inference.responses` a request's lifecycle, streaming and re
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 import uuid
@@ -239,7 +238,7 @@ async def create_chat_completion(request: Request):
             raise RequestError(f"this model's maximum context length is {engine.max_model_len} tokens and the "
                                f"messages already take {len(ids)}", "messages", "context_length_exceeded")
         _check_length(ids, max_tokens, engine.max_model_len, engine.vocab_size, "messages", requested is not None)
-        return ids, dataclasses.replace(params, max_tokens=max_tokens)
+        return ids, params.model_copy(update={"max_tokens": max_tokens})  # >= 1: checked above
 
     formatter = ChatFormatter(server, f"chatcmpl-{uuid.uuid4().hex}", model, req.logprobs, _include_usage(req))
     return await serve_request(request, server, "chat", formatter, prepare, req.stream, arrival)
