@@ -7,7 +7,8 @@ Endpoints follow OpenAI's API (and vLLM's server where OpenAI is silent):
   lines in OpenAI's chunk format, then ``data: [DONE]``); responses and final chunks carry ``spec_stats``.
 - ``GET /health``: 200 ``{"status": "ok"}``, 200 ``{"status": "degraded", "reason"}`` while the drafter reports
   unhealthy (decoding goes on without speculation) or right after a failed engine step, 503 while draining or when
-  the engine loop stopped.
+  the engine loop stopped; a 200 also names the target's device and dtype and the CPU's capability
+  (:func:`ssd_eagle.platform.describe`).
 - ``GET /metrics``: Prometheus text (see :mod:`inference.metrics`).
 
 Errors always have OpenAI's body ``{"error": {"message", "type", "param", "code"}}``: 400 for invalid requests
@@ -22,7 +23,6 @@ body parsing, :mod:`inference.responses` a request's lifecycle, streaming and re
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 import uuid
@@ -35,6 +35,7 @@ from fastapi.responses import JSONResponse, Response
 
 from ssd_eagle.engine.llm import render_chat
 from ssd_eagle.engine.sequence import RequestOutput
+from ssd_eagle.platform import describe
 
 from inference.async_engine import AsyncEngine
 from inference.errors import APIError, install_error_handlers, parse_body, require_api_key
@@ -135,13 +136,15 @@ async def health(request: Request) -> JSONResponse:
         status = "draining" if server.async_engine.alive else "stopped"
         return JSONResponse({"status": status}, status_code=503)
     drafter = server.engine.drafter
+    platform = describe(server.engine.target.device, server.engine.target.dtype)
     if not getattr(drafter, "healthy", True):
         error = getattr(drafter, "error", None)
         return JSONResponse({"status": "degraded", "reason": "the drafter reports unhealthy; decoding continues "
-                                                           "without speculation" + (f" ({error})" if error else "")})
+                                                           "without speculation" + (f" ({error})" if error else ""),
+                             **platform})
     if server.async_engine.last_step_failed:
-        return JSONResponse({"status": "degraded", "reason": "the last engine step failed"})
-    return JSONResponse({"status": "ok"})
+        return JSONResponse({"status": "degraded", "reason": "the last engine step failed", **platform})
+    return JSONResponse({"status": "ok", **platform})
 
 
 @_ops_router.get("/metrics")
@@ -239,7 +242,7 @@ async def create_chat_completion(request: Request):
             raise RequestError(f"this model's maximum context length is {engine.max_model_len} tokens and the "
                                f"messages already take {len(ids)}", "messages", "context_length_exceeded")
         _check_length(ids, max_tokens, engine.max_model_len, engine.vocab_size, "messages", requested is not None)
-        return ids, dataclasses.replace(params, max_tokens=max_tokens)
+        return ids, params.model_copy(update={"max_tokens": max_tokens})  # >= 1: checked above
 
     formatter = ChatFormatter(server, f"chatcmpl-{uuid.uuid4().hex}", model, req.logprobs, _include_usage(req))
     return await serve_request(request, server, "chat", formatter, prepare, req.stream, arrival)

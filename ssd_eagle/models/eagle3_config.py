@@ -159,7 +159,7 @@ class Eagle3Config:
         )
         unknown = set(overrides) - {f.name for f in fields(cls)}
         if unknown:
-            raise TypeError(f"unknown Eagle3Config fields: {sorted(unknown)}")
+            raise ValueError(f"unknown Eagle3Config fields: {sorted(unknown)}")
         values.update(overrides)
         return cls(**values)
 
