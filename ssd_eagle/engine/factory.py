@@ -25,7 +25,8 @@ from ssd_eagle.engine.llm_engine import LLMEngine
 
 
 def load_draft(spec, target=None, *, target_config=None, dtype: torch.dtype | None = None,
-               device: torch.device | str | None = None, embeddings: nn.Module | torch.Tensor | None = None) -> nn.Module:
+               device: torch.device | str | None = None,
+               embeddings: nn.Module | torch.Tensor | None = None) -> nn.Module:
     """The draft module a :class:`~ssd_eagle.config.SpeculativeConfig` names, for every drafter and speculator.
 
     Next to ``target`` (a loaded model: its config, dtype, device and input embeddings are used), or on a rank

@@ -120,7 +120,7 @@ def render_chat(tokenizer, messages: list[dict]) -> list[int]:
 
 
 def build_engine(config: EngineConfig) -> LLMEngine:
-    """The engine :class:`LLM`, ``inference.generate`` and ``inference.serve`` build: :func:`ssd_eagle.engine.factory.build`
-    with the default placement (``inference.launch`` puts rank 0's :class:`~ssd_eagle.parallel.engine.DriverSession`
-    in its place)."""
+    """The engine :class:`LLM`, ``inference.generate`` and ``inference.serve`` build:
+    :func:`ssd_eagle.engine.factory.build` with the default placement (``inference.launch`` puts rank 0's
+    :meth:`~ssd_eagle.parallel.engine.DriverSession.build_engine` in its place)."""
     return build(config)

@@ -1,9 +1,9 @@
 """The speculator process: receives requests, answers from the speculation cache, then builds the next one.
 
 Started by :class:`~ssd_eagle.ssd.client.RemoteSpeculator` with ``torch.multiprocessing`` (spawn). It joins the
-verifier's two-rank link (:mod:`ssd_eagle.ssd.transport`; rank 1 there), pins itself to its own CPU cores or GPU, and
-serves until SHUTDOWN (messages: :mod:`ssd_eagle.ssd.protocol`). The draft model arrives as a module (its tensors in shared memory) and is moved to the
-speculator's device. Answering before building is what lets drafting overlap the target's verification.
+verifier's two-rank link (:mod:`ssd_eagle.ssd.transport`; rank 1 there), pins itself to its own CPU cores or GPU,
+and serves until SHUTDOWN (messages: :mod:`ssd_eagle.ssd.protocol`). The draft model arrives as a module (its
+tensors in shared memory) and is moved to the speculator's device. Answering before building is what lets drafting overlap the target's verification.
 """
 
 from __future__ import annotations
