@@ -3,7 +3,8 @@
 :class:`SSDDrafter` reports each round's outcome ``(k, bonus)`` (and, for EAGLE-3, the aux states of the verified
 inputs now committed) with the next request, and turns the replies into proposals that carry their q and whether
 the speculation cache answered. The speculator lives either in this process (:class:`LocalSpeculator`: same
-logic, no overlap; for tests and debugging) or in its own process on its own device (:class:`RemoteSpeculator`).
+logic, no overlap; for tests and debugging) or in its own process on its own device (:class:`RemoteSpeculator`,
+over a :class:`SpeculatorLink`: the messages of :mod:`ssd_eagle.ssd.protocol` on a link of its own).
 
 If the speculator dies, stalls past the timeout, or reports an error, the drafter turns unhealthy and proposes
 nothing from then on: every request finishes with ordinary decoding (the engine's K = 0 path) and loses no token.
@@ -157,7 +158,8 @@ class SSDDrafter(Drafter):
     """Proposals from a speculator (local or remote), with fallback to ordinary decoding on failure.
 
     Args:
-        speculator: a :class:`LocalSpeculator` or :class:`RemoteSpeculator`.
+        speculator: a :class:`LocalSpeculator` or a :class:`SpeculatorLink` (:class:`RemoteSpeculator`,
+            :class:`~ssd_eagle.parallel.speculator.JoinedSpeculator`).
         needs_aux: whether the draft is an EAGLE-3 head (the engine then captures aux states).
         aux_layer_ids: the head's aux layer ids.
     """
