@@ -36,7 +36,7 @@ import torch
 
 from ssd_eagle.assets import DEFAULT_MODEL, load_model
 from ssd_eagle.config import EngineConfig, SpeculativeConfig
-from ssd_eagle.drafters import build_drafter
+from ssd_eagle.engine.factory import make_drafter
 from ssd_eagle.engine.llm import render_chat
 from ssd_eagle.engine.llm_engine import LLMEngine
 from ssd_eagle.exactness import TopTwoRecorder, argmax_consistent, first_divergence, judge
@@ -46,7 +46,6 @@ from ssd_eagle.models.draft_lm import load_draft_model
 from ssd_eagle.platform import DTYPE_HELP, DTYPES, describe_line, resolve_dtype
 from ssd_eagle.prompts import heldout_prompts
 from ssd_eagle.sampling_params import SamplingParams
-from ssd_eagle.ssd import build_ssd_drafter, load_draft_module
 from ssd_eagle.ssd.fanout import fit_power_law, hit_rate_by_rank
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -241,12 +240,10 @@ def main() -> None:
         pin(2 if cfg.mode == "ssd" or cfg.cores == 2 else 1, args.first_core)
         spec = SpeculativeConfig.from_dict(cfg.spec) if cfg.spec else None
         drafter = assistant = None
-        if cfg.mode == "sd":
-            drafter = build_drafter(spec, model, 1, 4096 + 256)
-        elif cfg.mode == "ssd":
-            ecfg = EngineConfig(model=args.model, mode="ssd", speculative_config=spec, max_num_seqs=1,
+        if cfg.mode in ("sd", "ssd"):
+            ecfg = EngineConfig(model=args.model, mode=cfg.mode, speculative_config=spec, max_num_seqs=1,
                                 max_model_len=4096)
-            drafter = build_ssd_drafter(ecfg, model, draft=load_draft_module(spec, model), max_model_len=4096)
+            drafter = make_drafter(ecfg, model, 4096)
         elif cfg.mode == "hf" and cfg.hf == "assisted":
             assistant = load_draft_model(args.draft_lm, model)  # a compact export is completed from the target
         K = spec.num_speculative_tokens if spec else 0

@@ -99,6 +99,27 @@ class SpeculativeConfig(ConfigModel):
         """Most draft tokens in one proposal (tree nodes or K)."""
         return max(self.tree_budget, self.num_speculative_tokens)
 
+    def kv_slack(self, holder: str) -> int:
+        """Cache positions past the text (``max_model_len``) a draft cache needs for one round.
+
+        Args:
+            holder: ``draft`` (an SD drafter next to the target: the proposal, then a tree's deepest expansion) or
+                ``speculator`` (the SSD speculator: the proposal and the verified round, then every branch's draft:
+                K tokens of a chain, or the root plus (depth - 1) * topk fed nodes of a tree). The target's own
+                cache needs one round, ``max_draft_tokens + 1`` (:class:`~ssd_eagle.engine.llm_engine.LLMEngine`).
+
+        Raises:
+            ValueError: an unknown ``holder``.
+        """
+        tree = self.tree_depth * self.tree_topk
+        if holder == "draft":
+            return self.max_draft_tokens + tree + 2
+        if holder == "speculator":
+            branches = max(sum(self.resolved_fanout()), sum(self.resolved_fanout_miss() or [0]))
+            per_branch = self.num_speculative_tokens if not self.tree_budget else 1 + tree
+            return 2 * (self.max_draft_tokens + 1) + branches * per_branch + tree
+        raise ValueError(f"kv_slack holder must be 'draft' or 'speculator', got {holder!r}")
+
     def resolved_fanout(self) -> list[int]:
         """F_0..F_K (K + 1 entries) after applying ``fanout_strategy``."""
         from ssd_eagle.ssd.fanout import geometric_fanout, uniform_fanout

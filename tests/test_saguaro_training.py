@@ -1,19 +1,22 @@
 """Saguaro-aware draft training (issue 7): the TTT loss term equals ``-log P_ns`` of the head's own q, training
-with it raises the non-stall probability, and sampling with a Saguaro-aware draft stays lossless. (That the trained
-(C, F) travel with the exported head and serving with other values warns is tested with the other trainer runs in
-``test_train_draft.py``: the trainer leaves a default process group, which must come after the SSD tests.)"""
+with it raises the non-stall probability, the trained (C, F) travel with the exported head, serving with other
+values warns, and sampling with a Saguaro-aware draft stays lossless."""
 
 from __future__ import annotations
+
+import logging
 
 import pytest
 import torch
 
+from ssd_eagle.config import SpeculativeConfig
+from ssd_eagle.drafters import warn_saguaro_mismatch
 from ssd_eagle.sampling import sample
 from ssd_eagle.ssd.fanout import nonstall_probability
 from ssd_eagle.verify import rejection_verify, saguaro_scale
 from train.config import ConfigError, config_from_dict
 from train.ttt import SaguaroObjective, draft_targets, ttt_loss, ttt_unroll
-from train_helpers import H, VOCAB, make_head
+from train_helpers import H, VOCAB, make_head, run_trainer, tiny_config, write_tiny_setup
 
 
 def _batch(head, seed=4, n=12):
@@ -88,6 +91,40 @@ def test_config_checks_name_the_fields():
         config_from_dict({"saguaro_c": 0.5, "saguaro_fanout": -1})
     with pytest.raises(ConfigError, match="saguaro_temperature"):
         config_from_dict({"saguaro_c": 0.5, "saguaro_temperature": 0})
+
+
+def test_trained_head_records_c_and_f_and_serving_with_others_warns(tmp_path, caplog):
+    from ssd_eagle.models.eagle3_formats import load_eagle3
+    from train.export import export_checkpoint
+
+    setup = write_tiny_setup(tmp_path / "tiny", num_convs=8)
+    # the trainer leaves its default process group up; the SSD tests after it need none of theirs
+    trainer, result = run_trainer(**tiny_config(setup, tmp_path / "run", max_steps=2, save_every=2, eval_every=0,
+                                                saguaro_c=0.7, saguaro_fanout=2))
+    nonstall = result["step_nonstall"]  # logged per TTT step (0 where the last window had no valid chain)
+    assert len(nonstall) == 3 and all(0 <= x <= 1 for x in nonstall) and nonstall[0] > 0
+    out = tmp_path / "export"
+    export_checkpoint(str(tmp_path / "run"), str(out))
+    head = load_eagle3(str(out))
+    assert (head.config.saguaro_c, head.config.saguaro_fanout) == (0.7, 2)
+
+    same = SpeculativeConfig(method="eagle3", model=str(out), num_speculative_tokens=3, saguaro_c=0.7, fanout=[2])
+    with caplog.at_level(logging.WARNING, logger="ssd_eagle.drafters"):
+        assert warn_saguaro_mismatch(head, same) is None
+        other = SpeculativeConfig(method="eagle3", model=str(out), num_speculative_tokens=3, saguaro_c=0.8,
+                                  fanout=[2])
+        message = warn_saguaro_mismatch(head, other)
+    assert "C=0.7, F=2" in message and "C=0.8" in message
+    assert message in caplog.text
+    geometric = SpeculativeConfig(method="eagle3", model=str(out), num_speculative_tokens=3, saguaro_c=0.7,
+                                  fanout_strategy="geometric", fanout_budget=12)
+    assert warn_saguaro_mismatch(head, geometric) is not None  # per-position F differs from the trained 2
+    last_only = SpeculativeConfig(method="eagle3", model=str(out), num_speculative_tokens=3, saguaro_c=0.7,
+                                  fanout=[2, 2, 2, 6])
+    assert warn_saguaro_mismatch(head, last_only) is None  # F_K (all accepted) scales no drafted token
+    miss = SpeculativeConfig(method="eagle3", model=str(out), num_speculative_tokens=3, saguaro_c=0.7, fanout=[2],
+                             fanout_miss=[4])
+    assert "[2, 4]" in warn_saguaro_mismatch(head, miss)
 
 
 def test_sampling_with_a_saguaro_aware_draft_stays_lossless():

@@ -11,10 +11,9 @@ import pytest
 from helpers import (LAW_TOKENS, LAW_VOCAB, exact_law, make_tiny_llama, noisy_copy, pooled_chisquare, random_prompts,
                      reference_greedy)
 from ssd_eagle.config import EngineConfig, SpeculativeConfig
+from ssd_eagle.engine.factory import build
 from ssd_eagle.engine.llm import LLM
-from ssd_eagle.engine.llm_engine import LLMEngine
 from ssd_eagle.sampling_params import SamplingParams
-from ssd_eagle.ssd import build_ssd_drafter
 from ssd_eagle.ssd.speculator import SpecRequest
 
 K = 4
@@ -25,9 +24,7 @@ def ssd_engine(target, draft, tokenizer, speculator="local", max_num_seqs=4, k=K
             "speculator": speculator, **spec}
     cfg = EngineConfig(model="in-memory", mode="ssd", max_num_seqs=max_num_seqs, max_model_len=512,
                        speculative_config=SpeculativeConfig(**spec))
-    drafter = build_ssd_drafter(cfg, target, draft=draft)
-    return LLMEngine(target, tokenizer, drafter, num_speculative_tokens=k, max_num_seqs=max_num_seqs,
-                     max_model_len=512)
+    return build(cfg, target, tokenizer=tokenizer, draft=draft)
 
 
 @pytest.mark.parametrize("variant", [
@@ -180,3 +177,72 @@ def test_a_backup_scales_with_the_miss_fanout_it_is_cached_with(byte_tokenizer, 
     branches = [f for rows, f in seen if rows > 1]
     assert backup and all(f == (3,) * (K + 1) for f in backup)
     assert branches and all(f == (1,) * (K + 1) for f in branches)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the speculator's link: its own process group, released by LLM.close / with / garbage collection and exit
+
+def _greedy_outputs_match(llm, target, prompts, max_tokens=12) -> None:
+    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=max_tokens))
+    for prompt, out in zip(prompts, outs):
+        assert out.token_ids == reference_greedy(target, prompt, max_tokens)
+    assert llm.engine.drafter.healthy
+
+
+def test_two_ssd_llms_live_at_once_and_close_on_leaving_the_block(byte_tokenizer):
+    """Each SSD engine's speculator link is a process group of its own: two in one process, used in turn."""
+    target = make_tiny_llama(seed=3)
+    prompts = random_prompts(2, seed=5)
+    with LLM(engine=ssd_engine(target, noisy_copy(target, 0.02), byte_tokenizer, speculator="process")) as a, \
+            LLM(engine=ssd_engine(target, noisy_copy(target, 0.03, seed=2), byte_tokenizer,
+                                  speculator="process")) as b:
+        for llm in (a, b, a):
+            _greedy_outputs_match(llm, target, prompts)
+        processes = [llm.engine.drafter.speculator.process for llm in (a, b)]
+        assert all(proc.is_alive() for proc in processes)
+        assert all(llm.engine.drafter.speculator.stats()[0].hits > 0 for llm in (a, b))
+    assert not any(proc.is_alive() for proc in processes)
+    a.close()  # idempotent
+
+
+def test_ssd_starts_after_deepspeed_made_the_default_process_group(byte_tokenizer, monkeypatch):
+    """SSD inside a process that already has a default group (DeepSpeed's, gloo on CPU): the link ignores it. The
+    group is left up, as a trainer leaves it, for whatever runs next in this process."""
+    import deepspeed
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, wait_for_workers=False)
+        port = store.port
+        del store  # free the port for DeepSpeed's rendezvous
+        for key, value in dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                               MASTER_PORT=str(port)).items():
+            monkeypatch.setenv(key, value)
+        deepspeed.init_distributed(dist_backend="gloo")
+    assert dist.is_initialized()
+    target = make_tiny_llama(seed=3)
+    with LLM(engine=ssd_engine(target, noisy_copy(target, 0.02), byte_tokenizer, speculator="process")) as llm:
+        _greedy_outputs_match(llm, target, random_prompts(2, seed=6))
+        assert llm.engine.stats.cache_hits > 0
+
+
+def test_an_llm_that_built_its_engine_releases_it_when_collected_or_at_exit(tmp_path, byte_tokenizer):
+    import gc
+
+    target = make_tiny_llama(seed=3)
+    target.save_pretrained(tmp_path / "target")
+    byte_tokenizer.save_pretrained(tmp_path / "target")
+    noisy_copy(target, 0.02).save_pretrained(tmp_path / "draft")
+    byte_tokenizer.save_pretrained(tmp_path / "draft")  # a plain draft folder is a whole model
+    config = EngineConfig(model=str(tmp_path / "target"), mode="ssd", dtype="float64", max_model_len=256,
+                          max_num_seqs=2, pin_cpus=False,
+                          speculative_config={"method": "draft_model", "model": str(tmp_path / "draft"),
+                                              "num_speculative_tokens": K, "fanout": [2]})
+    llm = LLM(config=config)
+    _greedy_outputs_match(llm, target, random_prompts(2, seed=7))
+    process = llm.engine.drafter.speculator.process
+    assert llm._release.atexit and llm._release.alive  # registered for interpreter exit
+    del llm
+    gc.collect()
+    process.join(timeout=10)
+    assert not process.is_alive()

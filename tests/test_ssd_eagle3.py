@@ -15,12 +15,11 @@ from ssd_eagle.config import EngineConfig, SpeculativeConfig
 from ssd_eagle.drafters.backends import Eagle3Backend
 from ssd_eagle.drafters.eagle3 import Eagle3Drafter
 from ssd_eagle.drafters.tree import TreeSettings
+from ssd_eagle.engine.factory import build
 from ssd_eagle.engine.llm import LLM
-from ssd_eagle.engine.llm_engine import LLMEngine
 from ssd_eagle.kv_cache import ForwardBatch
 from ssd_eagle.model_runner import ModelRunner
 from ssd_eagle.sampling_params import SamplingParams
-from ssd_eagle.ssd import build_ssd_drafter
 from ssd_eagle.ssd.speculator import Speculator, SpecRequest
 
 K = 3
@@ -31,9 +30,7 @@ def eagle_ssd_engine(target, head, tokenizer, tree: int = 0, fanout=(60,), max_n
                              speculator=speculator, tree_budget=tree, tree_depth=K, tree_topk=2)
     cfg = EngineConfig(model="in-memory", mode="ssd", max_num_seqs=max_num_seqs, max_model_len=256,
                        speculative_config=spec)
-    drafter = build_ssd_drafter(cfg, target, draft=head)
-    return LLMEngine(target, tokenizer, drafter, num_speculative_tokens=K, max_num_seqs=max_num_seqs,
-                     max_model_len=256, max_draft_tokens=spec.max_draft_tokens)
+    return build(cfg, target, tokenizer=tokenizer, draft=head)
 
 
 def target_aux(target, head, committed: list[int]) -> torch.Tensor:

@@ -223,10 +223,10 @@ def test_draft_lm_zero3_plain_compact_and_materialized_exports(tiny, tmp_path):
     from ssd_eagle.engine.llm import LLM
     from ssd_eagle.engine.llm_engine import LLMEngine
     from ssd_eagle.sampling_params import SamplingParams
-    from ssd_eagle.ssd import load_draft_module
+    from ssd_eagle.engine.factory import load_draft
 
     spec = SpeculativeConfig(method="draft_model", model=str(compact), num_speculative_tokens=3)
-    ssd_draft = load_draft_module(spec, trainer.target)
+    ssd_draft = load_draft(spec, trainer.target)
     for k, v in ssd_draft.state_dict().items():
         assert torch.equal(v, state[k]), k
     target, tokenizer = trainer.target, trainer.tokenizer

@@ -27,10 +27,13 @@ def warn_saguaro_mismatch(head, spec) -> str | None:
     return message
 
 
-def build_drafter(spec, target_model, num_slots: int, max_len: int) -> Drafter:
+def build_drafter(spec, target_model, num_slots: int, max_len: int, draft=None) -> Drafter:
     """Build the drafter a :class:`~ssd_eagle.config.SpeculativeConfig` describes, next to ``target_model``.
 
     The draft runs in the target's dtype and on its device (SSD puts it elsewhere; see :mod:`ssd_eagle.ssd`).
+
+    Args:
+        draft: the draft module (default: :func:`ssd_eagle.engine.factory.load_draft` loads ``spec.model``).
 
     Raises:
         ValueError: the draft does not fit the target (vocabulary, sizes, layer ids, rope, max positions).
@@ -39,17 +42,15 @@ def build_drafter(spec, target_model, num_slots: int, max_len: int) -> Drafter:
     saguaro = SaguaroSampling(spec.saguaro_c, tuple(spec.resolved_fanout())) if spec.saguaro_c < 1.0 else None
     if spec.method == "ngram":
         return NgramDrafter(spec.prompt_lookup_min, spec.prompt_lookup_max)
+    if spec.method not in ("draft_model", "eagle3"):
+        raise ValueError(f"unknown speculative method {spec.method!r}")
+    if draft is None:
+        from ssd_eagle.engine.factory import load_draft
+
+        draft = load_draft(spec, target_model)
     if spec.method == "draft_model":
-        from ssd_eagle.models.draft_lm import load_draft_model
-
-        model = load_draft_model(spec.model, target_model)
-        return DraftModelDrafter(model, target_model.config.get_text_config().vocab_size, num_slots, max_len,
+        return DraftModelDrafter(draft, target_model.config.get_text_config().vocab_size, num_slots, max_len,
                                  saguaro, spec.tree_settings())
-    if spec.method == "eagle3":
-        from ssd_eagle.drafters.eagle3 import Eagle3Drafter
+    from ssd_eagle.drafters.eagle3 import Eagle3Drafter
 
-        drafter = Eagle3Drafter.from_pretrained(spec.model, target_model, num_slots, max_len, saguaro,
-                                                spec.tree_settings())
-        warn_saguaro_mismatch(drafter.head, spec)
-        return drafter
-    raise ValueError(f"unknown speculative method {spec.method!r}")
+    return Eagle3Drafter(draft, num_slots, max_len, saguaro, spec.tree_settings())

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import itertools
+import weakref
 
-import torch
 from tqdm.auto import tqdm
 
 from ssd_eagle.config import EngineConfig, SpeculativeConfig
+from ssd_eagle.engine.factory import build
 from ssd_eagle.engine.llm_engine import LLMEngine
 from ssd_eagle.engine.sequence import RequestOutput
 from ssd_eagle.sampling_params import SamplingParams
@@ -18,14 +19,18 @@ class LLM:
 
     Example::
 
-        llm = LLM(speculative_config={"method": "ngram", "num_speculative_tokens": 5})
-        out = llm.chat([{"role": "user", "content": "Hi!"}], SamplingParams(temperature=0, max_tokens=64))
+        with LLM(speculative_config={"method": "ngram", "num_speculative_tokens": 5}) as llm:
+            out = llm.chat([{"role": "user", "content": "Hi!"}], SamplingParams(temperature=0, max_tokens=64))
         print(out[0].text, out[0].stats.tau)
+
+    :meth:`close` (or leaving the ``with`` block) releases the engine's helpers: an SSD speculator process and its
+    link. An engine the LLM built is also released when the LLM is garbage collected or the interpreter exits.
 
     Args:
         model, mode, speculative_config, dtype, device, max_model_len, max_num_seqs, seed, num_threads: see
             :class:`~ssd_eagle.config.EngineConfig`.
-        engine: an already built engine (then the other arguments are ignored).
+        engine: an already built engine (then the other arguments are ignored; it stays the caller's to close,
+            or :meth:`close`'s).
     """
 
     def __init__(self, model: str | None = None, *, mode: str | None = None,
@@ -40,9 +45,23 @@ class LLM:
                                       max_model_len=max_model_len, max_num_seqs=max_num_seqs, seed=seed,
                                       num_threads=num_threads)
             engine = build_engine(config)
+            # at garbage collection or interpreter exit (weakref.finalize registers with atexit)
+            self._release = weakref.finalize(self, engine.close)
+        else:
+            self._release = engine.close
         self.engine = engine
         self.tokenizer = engine.tokenizer
         self._ids = itertools.count()
+
+    def close(self) -> None:
+        """Release the engine's helpers (the SSD speculator process and its link). Idempotent."""
+        self._release()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def generate(self, prompts: str | list[str] | list[list[int]],
                  sampling_params: SamplingParams | list[SamplingParams] | None = None,
@@ -101,27 +120,7 @@ def render_chat(tokenizer, messages: list[dict]) -> list[int]:
 
 
 def build_engine(config: EngineConfig) -> LLMEngine:
-    """Load the target and tokenizer, build the drafter the config names, and return an engine."""
-    from ssd_eagle.assets import load_model
-    from ssd_eagle.drafters import build_drafter
-
-    if config.num_threads:
-        torch.set_num_threads(config.num_threads)
-    model, tokenizer = load_model(config.model, dtype=config.torch_dtype, device=config.device)
-    max_model_len = config.max_model_len or model.config.get_text_config().max_position_embeddings
-    drafter, K = None, 0
-    if config.mode == "sd":
-        spec = config.speculative_config
-        K = spec.num_speculative_tokens
-        extra = spec.max_draft_tokens + spec.tree_depth * spec.tree_topk + 2  # chain/tree drafts past the text
-        drafter = build_drafter(spec, model, config.max_num_seqs, max_model_len + extra)
-    elif config.mode == "ssd":
-        from ssd_eagle.ssd import build_ssd_drafter
-
-        spec = config.speculative_config
-        K = spec.num_speculative_tokens
-        drafter = build_ssd_drafter(config, model, max_model_len=max_model_len)
-    max_draft = config.speculative_config.max_draft_tokens if drafter is not None else 0
-    return LLMEngine(model, tokenizer, drafter, num_speculative_tokens=K, max_num_seqs=config.max_num_seqs,
-                     max_model_len=max_model_len, seed=config.seed, max_draft_tokens=max_draft,
-                     cuda_graphs=not config.eager, compile=config.compile)
+    """The engine :class:`LLM`, ``inference.generate`` and ``inference.serve`` build:
+    :func:`ssd_eagle.engine.factory.build` with the default placement (``inference.launch`` puts rank 0's
+    :meth:`~ssd_eagle.parallel.engine.DriverSession.build_engine` in its place)."""
+    return build(config)

@@ -73,7 +73,8 @@ class LLMEngine:
         self.eos_token_ids = set(eos_token_ids) if eos_token_ids is not None else model_eos_ids(model, tokenizer)
         aux_ids = getattr(drafter, "aux_layer_ids", None) if drafter is not None and drafter.needs_aux_hidden \
             else None
-        # one slot more than sequences: the scratch row of fixed-shape (CUDA-graph) batches
+        # one slot more than sequences: the scratch row of fixed-shape (CUDA-graph) batches; one round (the last
+        # token and every draft node) past the text
         self.target = ModelRunner(model, max_num_seqs + 1, self.max_model_len + self.max_draft_tokens + 1, aux_ids,
                                   compile=compile)
         self.needs_aux = aux_ids is not None
@@ -129,6 +130,11 @@ class LLMEngine:
         )
         self.requests[request_id] = seq
         self.waiting.append(seq)
+
+    def close(self) -> None:
+        """Release the drafter's resources (an SSD speculator process and its link). Idempotent."""
+        if self.drafter is not None:
+            self.drafter.close()
 
     def abort(self, request_id: str) -> None:
         """Stop a request now; its slot is freed and it is reported no more. Unknown ids are ignored."""

@@ -13,13 +13,13 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from ssd_eagle.engine.factory import build
 from ssd_eagle.engine.llm_engine import LLMEngine
 from ssd_eagle.model_runner import ModelRunner
 from ssd_eagle.parallel.runner import (DriverRunner, recv_geometry, send_geometry, use_local_kv_cache,
                                        worker_loop)
 from ssd_eagle.parallel.sharding import load_sharded_model
-from ssd_eagle.parallel.speculator import (JoinedSpeculator, decline_speculator, eagle3_aux_layer_ids,
-                                           run_speculator_rank, speculator_settings)
+from ssd_eagle.parallel.speculator import JoinedSpeculator, decline_speculator, run_speculator_rank
 from ssd_eagle.parallel.topology import SPECULATOR, Topology
 
 
@@ -49,12 +49,16 @@ def _load_target(config, topo: Topology):
 
 
 class DriverSession:
-    """Rank 0's side of a launch. :meth:`build_engine` is a drop-in for :func:`ssd_eagle.engine.llm.build_engine`;
-    :meth:`close` (always call it) shuts the engine's helpers down and releases every other rank.
+    """Rank 0's side of a launch, and the placement (:mod:`ssd_eagle.engine.factory`) of its engine: the target
+    sharded over ranks 0 .. N-1, the SSD speculator rank N. :meth:`build_engine` is a drop-in for
+    :func:`ssd_eagle.engine.llm.build_engine`; :meth:`close` (always call it) shuts the engine's helpers down and
+    releases every other rank.
 
     Args:
         topo: the launch (this must be rank 0).
     """
+
+    captures = False  # each forward is broadcast to the other ranks first
 
     def __init__(self, topo: Topology):
         if topo.rank != 0:
@@ -72,7 +76,7 @@ class DriverSession:
         the engine, and start the worker ranks.
 
         Raises:
-            ValueError: the launch does not fit the config, or anything :func:`ssd_eagle.engine.llm.build_engine`
+            ValueError: the launch does not fit the config, or anything :func:`ssd_eagle.engine.factory.build`
                 raises (bad drafter, heads not divisible by the TP size, ...).
             RuntimeError: called twice.
         """
@@ -80,53 +84,41 @@ class DriverSession:
             raise RuntimeError("a launch builds one engine")
         check_config(config, self.topo)
         self.config = share_config(config)
-        if model is None:
-            model, self._device = _load_target(config, self.topo)
-        else:
+        if model is not None:
             self._device = next(model.parameters()).device
-        from ssd_eagle.assets import resolve_model_path
+        self.engine = build(config, model, self)
+        return self.engine
+
+    # the placement
+    def load_target(self, config):
         from transformers import AutoTokenizer
 
-        tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(config.model))
-        max_model_len = config.max_model_len or model.config.get_text_config().max_position_embeddings
-        drafter, K = None, 0
-        if config.mode == "sd":
-            from ssd_eagle.drafters import build_drafter
+        from ssd_eagle.assets import resolve_model_path
 
-            spec = config.speculative_config
-            K = spec.num_speculative_tokens
-            extra = spec.max_draft_tokens + spec.tree_depth * spec.tree_topk + 2
-            drafter = build_drafter(spec, model, config.max_num_seqs, max_model_len + extra)
-        elif config.mode == "ssd":
-            K = config.speculative_config.num_speculative_tokens
-            drafter = self._ssd_drafter(config, model, max_model_len)
-        max_draft = config.speculative_config.max_draft_tokens if drafter is not None else 0
-        engine = LLMEngine(model, tokenizer, drafter, num_speculative_tokens=K, max_num_seqs=config.max_num_seqs,
-                           max_model_len=max_model_len, seed=config.seed, max_draft_tokens=max_draft,
-                           cuda_graphs=False)
+        model, self._device = _load_target(config, self.topo)
+        return model, AutoTokenizer.from_pretrained(resolve_model_path(config.model))
+
+    def draft(self, spec, target) -> None:
+        return None  # the speculator rank loads its own
+
+    def speculator(self, config, settings, target, draft) -> JoinedSpeculator:
+        spec = config.speculative_config
+        param = next(target.parameters())
+        cuda = param.device.type == "cuda"
+        settings.dist_backend = "nccl" if cuda else "gloo"
+        embedding = target.get_input_embeddings().weight if spec.method == "eagle3" else None
+        self._speculator_started = True
+        self._speculator = JoinedSpeculator(settings, spec, target.config, self.topo.pair_group,
+                                            embedding=embedding, timeout=spec.speculator_timeout,
+                                            device=param.device if cuda else "cpu")
+        return self._speculator
+
+    def attach(self, engine: LLMEngine) -> LLMEngine:
         if self.topo.tp_size > 1:
             engine.target = DriverRunner(use_local_kv_cache(engine.target), self.topo.tp_group)
             send_geometry(self.topo.tp_group, self._device, engine.max_num_seqs, engine.target.kv.max_len)
             self._geometry_sent = True
-        self.engine = engine
         return engine
-
-    def _ssd_drafter(self, config, model, max_model_len: int):
-        from ssd_eagle.ssd.client import SSDDrafter
-
-        spec = config.speculative_config
-        param = next(model.parameters())
-        cuda = param.device.type == "cuda"
-        settings = speculator_settings(config, model.config, param.dtype, max_model_len, cuda)
-        eagle3 = spec.method == "eagle3"
-        aux_ids = eagle3_aux_layer_ids(spec.model, model.config) if eagle3 else None
-        embedding = model.get_input_embeddings().weight if eagle3 else None
-        self._speculator_started = True
-        self._speculator = JoinedSpeculator(settings, spec, model.config, self.topo.pair_group,
-                                            self.topo.speculator_rank, embedding=embedding,
-                                            timeout=spec.speculator_timeout,
-                                            device=param.device if cuda else "cpu")
-        return SSDDrafter(self._speculator, needs_aux=eagle3, aux_layer_ids=aux_ids, draft_name=spec.method)
 
     def close(self) -> None:
         """Stop the speculator rank and the worker ranks (or tell them nothing will run). Idempotent."""

@@ -3,7 +3,8 @@
 :class:`SSDDrafter` reports each round's outcome ``(k, bonus)`` (and, for EAGLE-3, the aux states of the verified
 inputs now committed) with the next request, and turns the replies into proposals that carry their q and whether
 the speculation cache answered. The speculator lives either in this process (:class:`LocalSpeculator`: same
-logic, no overlap; for tests and debugging) or in its own process on its own device (:class:`RemoteSpeculator`).
+logic, no overlap; for tests and debugging) or in its own process on its own device (:class:`RemoteSpeculator`,
+over a :class:`SpeculatorLink`: the messages of :mod:`ssd_eagle.ssd.protocol` on a link of its own).
 
 If the speculator dies, stalls past the timeout, or reports an error, the drafter turns unhealthy and proposes
 nothing from then on: every request finishes with ordinary decoding (the engine's K = 0 path) and loses no token.
@@ -13,16 +14,15 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
 
 import torch
-import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from ssd_eagle.drafters.base import Drafter, Proposal
+from ssd_eagle.ssd import protocol as p
 from ssd_eagle.ssd import transport as t
 from ssd_eagle.ssd.speculator import SpecRequest
-from ssd_eagle.ssd.worker import SpeculatorSettings, build_speculator, decode_replies, worker_main
+from ssd_eagle.ssd.worker import SpeculatorSettings, build_speculator, worker_main
 
 log = logging.getLogger(__name__)
 
@@ -33,8 +33,8 @@ class LocalSpeculator:
     def __init__(self, settings: SpeculatorSettings, draft):
         self.speculator = build_speculator(settings, draft)
 
-    def add(self, slot, token_ids, params, seed, aux) -> None:
-        self.speculator.add(slot, token_ids, params, seed, aux)
+    def add(self, seq: p.NewSequence) -> None:
+        self.speculator.add(seq.slot, seq.token_ids, seq.params, seq.seed, seq.aux)
 
     def propose(self, requests: list[SpecRequest]) -> list[Proposal]:
         replies = self.speculator.propose(requests)
@@ -51,110 +51,115 @@ class LocalSpeculator:
         pass
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+class SpeculatorLink:
+    """A speculator at the other end of a :class:`~ssd_eagle.ssd.transport.Channel` (the methods of
+    :class:`LocalSpeculator`, as messages of :mod:`ssd_eagle.ssd.protocol`).
+
+    Args:
+        channel: the verifier's end of the link.
+        vocab_size: V, the width of the q rows in replies.
+        timeout: seconds to wait for any reply before declaring the speculator unavailable.
+    """
+
+    def __init__(self, channel: t.Channel, vocab_size: int, timeout: float = 60.0):
+        self.channel, self.vocab_size, self.timeout = channel, vocab_size, timeout
+        self.closed = False
+
+    def _check_alive(self) -> None:
+        if self.closed:
+            raise t.SpeculatorUnavailable("the speculator was shut down")
+
+    def add(self, seq: p.NewSequence) -> None:
+        self._check_alive()
+        self._send(p.encode_add(seq))
+
+    def propose(self, requests: list[SpecRequest]) -> list[Proposal]:
+        self._check_alive()
+        self._send(p.encode_propose(requests))
+        msg = self.channel.recv(self.timeout)
+        if msg.command != p.REPLY:
+            raise t.SpeculatorUnavailable(f"the speculator answered command {msg.command} instead of a reply")
+        return p.decode_reply(msg, self.vocab_size)
+
+    def remove(self, slot: int) -> None:
+        self._check_alive()
+        self._send(p.encode_remove(slot))
+
+    def stats(self):
+        """The speculator's :class:`~ssd_eagle.ssd.speculator.SpeculatorStats` and its build intervals
+        (wall-clock start/end pairs, seconds)."""
+        self._check_alive()
+        self._send(p.Message(p.STATS))
+        return p.decode_stats(self.channel.recv(self.timeout))
+
+    def _send(self, msg: p.Message) -> None:
+        try:
+            self.channel.send(msg)
+        except RuntimeError as err:
+            raise t.SpeculatorUnavailable(f"sending to the speculator failed: {err}") from err
+
+    def close(self) -> None:
+        """Tell the speculator to stop (idempotent)."""
+        if self.closed:
+            return
+        self.closed = True
+        try:
+            self.channel.send(p.Message(p.SHUTDOWN))
+        except RuntimeError as err:
+            log.warning("could not reach the speculator to shut it down: %s", err)
 
 
-class RemoteSpeculator:
-    """The speculator in its own process, reached over torch.distributed point-to-point.
+class RemoteSpeculator(SpeculatorLink):
+    """The speculator in a process of its own, spawned here and reached over a two-rank link of its own
+    (:mod:`ssd_eagle.ssd.transport`), whatever process groups this process has.
 
     Args:
         settings: what the worker needs (fan-out, backup, device, CPU cores, ...).
         draft: the draft module (sent once, tensors in shared memory).
         timeout: seconds to wait for any reply before declaring the speculator unavailable.
         cpus: CPU cores to pin *this* (the verifier's) process to, or None.
+        startup_timeout: seconds the speculator has to join.
+        verifier_device: this process's device (the channel's buffers live there with NCCL).
     """
 
     def __init__(self, settings: SpeculatorSettings, draft, timeout: float = 60.0, cpus: list[int] | None = None,
                  startup_timeout: float = 300.0, verifier_device: str = "cpu"):
-        if dist.is_initialized():
-            raise RuntimeError("a default process group already exists in this process; SSD needs its own")
         if cpus:
             os.sched_setaffinity(0, cpus)
-        settings.init_method = f"tcp://127.0.0.1:{_free_port()}"
-        self.settings, self.timeout = settings, timeout
-        ctx = mp.get_context("spawn")
-        self.process = ctx.Process(target=worker_main, args=(settings, draft), daemon=True)
+        self.settings = settings
+        self.store = t.open_store(0, startup_timeout)
+        settings.store_port = self.store.port
+        self.process = mp.get_context("spawn").Process(target=worker_main, args=(settings, draft, startup_timeout),
+                                                       daemon=True)
         self.process.start()
-        dist.init_process_group(settings.dist_backend, init_method=settings.init_method, rank=0, world_size=2,
-                                timeout=__import__("datetime").timedelta(seconds=startup_timeout))
-        channel_device = "cpu" if settings.dist_backend == "gloo" else verifier_device
-        self.channel = t.Channel(peer=1, float_dtype=settings.float_dtype, device=channel_device)
-        self.closed = False
+        group = t.pair_group(self.store, t.VERIFIER, settings.dist_backend, startup_timeout)
+        device = "cpu" if settings.dist_backend == "gloo" else verifier_device
+        super().__init__(t.Channel(group, t.SPECULATOR, settings.float_dtype, device), settings.vocab_size, timeout)
 
     def _check_alive(self) -> None:
         if self.closed or not self.process.is_alive():
             raise t.SpeculatorUnavailable("the speculator process is not running")
 
-    def add(self, slot, token_ids, params, seed, aux) -> None:
-        self._check_alive()
-        ints = torch.tensor([slot, seed, params.top_k, int(params.greedy), len(token_ids), *token_ids])
-        floats = torch.tensor([params.temperature, params.top_p], dtype=self.settings.float_dtype)
-        if aux is not None:
-            floats = torch.cat([floats, aux.reshape(-1).to(device="cpu", dtype=self.settings.float_dtype)])
-        ints, floats = ints.to(self.channel.device), floats.to(self.channel.device)
-        self._send(t.ADD, ints, floats)
-
-    def propose(self, requests: list[SpecRequest]) -> list[Proposal]:
-        self._check_alive()
-        ints = torch.tensor([len(requests)] + [v for r in requests for v in (r.slot, r.num_accepted, r.bonus,
-                                                                                r.budget)]
-                            + [t for r in requests for t in (r.accepted or [])])
-        auxes = [r.aux.reshape(-1).cpu() for r in requests if r.aux is not None and r.num_accepted >= 0]
-        self._send(t.PROPOSE, ints, torch.cat(auxes) if auxes else None)
-        command, ints, floats, _ = self.channel.recv(self.timeout)
-        if command != t.REPLY:
-            raise t.SpeculatorUnavailable(f"the speculator answered command {command} instead of a reply")
-        return decode_replies(ints, floats, self.settings.vocab_size)
-
-    def remove(self, slot: int) -> None:
-        self._check_alive()
-        self._send(t.REMOVE, torch.tensor([slot]))
-
-    def stats(self):
-        """(lookups, hits, builds, bonus ranks, build time) and the build intervals (wall-clock start/end pairs)."""
-        from ssd_eagle.ssd.speculator import SpeculatorStats
-
-        self._check_alive()
-        self._send(t.STATS)
-        _, ints, floats, _ = self.channel.recv(self.timeout)
-        lookups, hits, builds, n = ints[:4].tolist()
-        s = SpeculatorStats(lookups, hits, ints[4: 4 + n].tolist(), float(floats[0]), builds)
-        return s, floats[1:].tolist()
-
-    def _send(self, command, ints=None, floats=None) -> None:
-        try:
-            self.channel.send(command, ints, floats)
-        except RuntimeError as err:
-            raise t.SpeculatorUnavailable(f"sending to the speculator failed: {err}") from err
-
     def close(self) -> None:
+        """Stop the speculator process and release the link (idempotent)."""
         if self.closed:
             return
-        self.closed = True
         if self.process.is_alive():
-            try:
-                self.channel.send(t.SHUTDOWN)
-            except RuntimeError:
-                pass
+            super().close()
             self.process.join(timeout=10)
+        self.closed = True
         if self.process.is_alive():
             self.process.kill()
             self.process.join(timeout=5)
-        if dist.is_initialized():
-            try:
-                dist.destroy_process_group()
-            except RuntimeError:
-                pass
+        self.channel = self.store = None
 
 
 class SSDDrafter(Drafter):
     """Proposals from a speculator (local or remote), with fallback to ordinary decoding on failure.
 
     Args:
-        speculator: a :class:`LocalSpeculator` or :class:`RemoteSpeculator`.
+        speculator: a :class:`LocalSpeculator` or a :class:`SpeculatorLink` (:class:`RemoteSpeculator`,
+            :class:`~ssd_eagle.parallel.speculator.JoinedSpeculator`).
         needs_aux: whether the draft is an EAGLE-3 head (the engine then captures aux states).
         aux_layer_ids: the head's aux layer ids.
     """
@@ -183,7 +188,7 @@ class SSDDrafter(Drafter):
             return
         seed = int(torch.randint(0, 2**62, (1,), generator=seq.draft_generator))
         try:
-            self.speculator.add(seq.slot, seq.token_ids, seq.params, seed, prompt_aux)
+            self.speculator.add(p.NewSequence(seq.slot, seq.token_ids, seq.params, seed, prompt_aux))
             self._registered.add(seq.request_id)
         except t.SpeculatorUnavailable as err:
             self._fail(err)

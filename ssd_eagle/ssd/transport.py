@@ -1,17 +1,16 @@
-"""Verifier <-> speculator messages over torch.distributed point-to-point (gloo on CPU, NCCL-capable on GPU).
+"""The verifier <-> speculator link: a two-rank process group of its own, and the :class:`Channel` over it.
 
-Every message is a fixed int64 header ``[command, n_ints, n_floats, tag]`` followed by at most one int64 and one
-float payload, received into preallocated buffers when they fit (the hot path never allocates or pickles). The
-layouts, in int64 words:
+The link never touches torch.distributed's default process group, so an SSD engine starts whether or not this
+process has one (DeepSpeed, a torchrun job), and several SSD engines live in one process. A spawned speculator
+meets the verifier through a :class:`torch.distributed.TCPStore` the verifier opens on a free port
+(:func:`open_store`, :func:`pair_group`: gloo on CPUs, NCCL between two GPUs); inside a tensor-parallel launch the
+pair is a ``new_group`` of the job (:mod:`ssd_eagle.parallel.topology`). Either way the channel addresses the peer
+by its rank *in the pair* (the verifier is 0, the speculator 1).
 
-    ADD      ints   [slot, seed, top_k, greedy, num_tokens, tokens...]   floats [temperature, top_p, aux...]
-    PROPOSE  ints   [rows, then per row: slot, k, bonus, budget]          floats [aux of every row, concatenated]
-    REPLY    ints   [rows, then per row: hit, lookup_k, m, has_q, K tokens (padded)]   floats [q of rows with q]
-    REMOVE   ints   [slot]
-    STATS    (request) -> ints [lookups, hits, builds, n_ranks, ranks...], floats [build_time, intervals...]
-    ERROR    the speculator failed to answer; the verifier falls back to plain decoding
-
-``hit`` is -1 when no lookup happened. Aux and q travel in the float payload's dtype (the verifier's).
+Every message (:mod:`ssd_eagle.ssd.protocol`, which lists the layouts) is a fixed int64 header
+``[PROTOCOL_VERSION, command, n_ints, n_floats]`` followed by at most one int64 and one float payload, received
+into preallocated buffers when they fit (the hot path never pickles). Floats travel in the link's dtype (the
+verifier's).
 """
 
 from __future__ import annotations
@@ -21,61 +20,94 @@ import datetime
 import torch
 import torch.distributed as dist
 
-ADD, PROPOSE, REPLY, REMOVE, STATS, SHUTDOWN, ERROR = range(1, 8)
+from ssd_eagle.ssd.protocol import PROTOCOL_VERSION, Message
+
 HEADER = 4
+VERIFIER, SPECULATOR = 0, 1  # ranks in the pair
 
 
 class SpeculatorUnavailable(RuntimeError):
     """The speculator died, stalled past the timeout, or reported an error."""
 
 
+class ProtocolMismatch(SpeculatorUnavailable):
+    """The peer speaks another protocol version (its header's first word)."""
+
+
+def open_store(port: int = 0, timeout: float = 300.0, host: str = "127.0.0.1") -> dist.TCPStore:
+    """The pair's rendezvous: ``port=0`` (the verifier) listens on a free port (``store.port``); the speculator
+    connects to that port."""
+    return dist.TCPStore(host, port, 2, is_master=port == 0, timeout=datetime.timedelta(seconds=timeout),
+                         wait_for_workers=False)
+
+
+def pair_group(store: dist.Store, rank: int, backend: str = "gloo", timeout: float = 300.0):
+    """The two-rank process group of the pair (``rank`` 0: the verifier, 1: the speculator); blocks until both
+    joined.
+
+    Raises:
+        ValueError: a backend other than ``gloo`` or ``nccl``.
+    """
+    span = datetime.timedelta(seconds=timeout)
+    store = dist.PrefixStore("ssd-pair/", store)
+    if backend == "gloo":
+        return dist.ProcessGroupGloo(store, rank, 2, span)
+    if backend == "nccl":
+        options = dist.ProcessGroupNCCL.Options()
+        options._timeout = span
+        return dist.ProcessGroupNCCL(store, rank, 2, options)
+    raise ValueError(f"the SSD link's backend must be gloo or nccl, got {backend!r}")
+
+
 class Channel:
     """One end of the verifier <-> speculator link.
 
     Args:
-        peer: the other end's *global* rank (``dist.send`` takes global ranks even with a ``group``).
-        group: the process group holding both ends (None: the default group).
+        group: the pair's process group (:func:`pair_group`, or a two-rank ``new_group`` of a launch).
+        peer: the other end's rank in ``group``.
         float_dtype: dtype of float payloads (aux states, q).
         device: where buffers live (the process's device; CPU for gloo).
         max_ints / max_floats: preallocated payload sizes; larger messages allocate.
-        timeout: seconds to wait for a reply before declaring the peer unavailable (None: forever).
     """
 
-    def __init__(self, peer: int, group=None, float_dtype: torch.dtype = torch.float32, device="cpu",
-                 max_ints: int = 1 << 16, max_floats: int = 1 << 22, timeout: float | None = None):
-        self.peer, self.group = peer, group
+    def __init__(self, group, peer: int, float_dtype: torch.dtype = torch.float32, device="cpu",
+                 max_ints: int = 1 << 16, max_floats: int = 1 << 22):
+        self.group, self.peer = group, peer
         self.device = device
         self.float_dtype = float_dtype
         self.header = torch.zeros(HEADER, dtype=torch.long, device=device)
         self.ints = torch.zeros(max_ints, dtype=torch.long, device=device)
         self.floats = torch.zeros(max_floats, dtype=float_dtype, device=device)
-        self.timeout = timeout
 
-    def send(self, command: int, ints: torch.Tensor | None = None, floats: torch.Tensor | None = None,
-             tag: int = 0) -> None:
-        n_i = 0 if ints is None else ints.numel()
-        n_f = 0 if floats is None else floats.numel()
-        header = torch.tensor([command, n_i, n_f, tag], dtype=torch.long, device=self.device)
-        dist.send(header, self.peer, group=self.group)
+    def send(self, msg: Message) -> None:
+        """Send one message (int payloads as int64, floats in ``float_dtype``)."""
+        n_i = 0 if msg.ints is None else msg.ints.numel()
+        n_f = 0 if msg.floats is None else msg.floats.numel()
+        self._send(torch.tensor([PROTOCOL_VERSION, msg.command, n_i, n_f], dtype=torch.long, device=self.device))
         if n_i:
-            dist.send(ints.reshape(-1).to(device=self.device, dtype=torch.long).contiguous(), self.peer,
-                      group=self.group)
+            self._send(msg.ints.reshape(-1).to(device=self.device, dtype=torch.long).contiguous())
         if n_f:
-            dist.send(floats.reshape(-1).to(device=self.device, dtype=self.float_dtype).contiguous(), self.peer,
-                      group=self.group)
+            self._send(msg.floats.reshape(-1).to(device=self.device, dtype=self.float_dtype).contiguous())
 
-    def recv(self, timeout: float | None = None) -> tuple[int, torch.Tensor, torch.Tensor, int]:
-        """Receive one message: (command, ints, floats, tag). Payload views may alias internal buffers: copy
-        what must outlive the next receive.
+    def recv(self, timeout: float | None = None) -> Message:
+        """Receive one message. Its payloads may alias internal buffers: copy what must outlive the next receive
+        (the protocol's decoders do).
 
         Raises:
-            SpeculatorUnavailable: nothing arrived within ``timeout`` seconds, or the link broke.
+            SpeculatorUnavailable: nothing arrived within ``timeout`` seconds (None: wait forever), or the link
+                broke.
+            ProtocolMismatch: the peer's header carries another protocol version.
         """
         self._recv_into(self.header, timeout)
-        command, n_i, n_f, tag = self.header.tolist()
+        version, command, n_i, n_f = self.header.tolist()
+        if version != PROTOCOL_VERSION:
+            raise ProtocolMismatch(f"the peer speaks SSD protocol version {version}, this side {PROTOCOL_VERSION}")
         ints = self._payload(self.ints, n_i, torch.long, timeout)
         floats = self._payload(self.floats, n_f, self.float_dtype, timeout)
-        return command, ints, floats, tag
+        return Message(command, ints, floats)
+
+    def _send(self, tensor: torch.Tensor) -> None:
+        self.group.send([tensor], self.peer, 0).wait()
 
     def _payload(self, buffer: torch.Tensor, n: int, dtype, timeout) -> torch.Tensor:
         if n == 0:
@@ -86,12 +118,12 @@ class Channel:
 
     def _recv_into(self, tensor: torch.Tensor, timeout: float | None) -> None:
         try:
-            work = dist.irecv(tensor, self.peer, group=self.group)
+            work = self.group.recv([tensor], self.peer, 0)
             if timeout is None:
                 work.wait()
             elif not work.wait(datetime.timedelta(seconds=timeout)):
-                raise SpeculatorUnavailable(f"no message from rank {self.peer} within {timeout:.1f} s")
+                raise SpeculatorUnavailable(f"no message from the peer within {timeout:.1f} s")
         except SpeculatorUnavailable:
             raise
         except RuntimeError as err:
-            raise SpeculatorUnavailable(f"link to rank {self.peer} failed: {err}") from err
+            raise SpeculatorUnavailable(f"the link to the peer failed: {err}") from err

@@ -1,9 +1,9 @@
 """The speculator process: receives requests, answers from the speculation cache, then builds the next one.
 
-Started by :class:`~ssd_eagle.ssd.client.RemoteSpeculator` with ``torch.multiprocessing`` (spawn). It joins a
-two-rank process group with the verifier (rank 0 there, rank 1 here), pins itself to its own CPU cores or GPU, and
-serves until SHUTDOWN. The draft model arrives as a module (its tensors in shared memory) and is moved to the
-speculator's device. Answering before building is what lets drafting overlap the target's verification.
+Started by :class:`~ssd_eagle.ssd.client.RemoteSpeculator` with ``torch.multiprocessing`` (spawn). It joins the
+verifier's two-rank link (:mod:`ssd_eagle.ssd.transport`; rank 1 there), pins itself to its own CPU cores or GPU,
+and serves until SHUTDOWN (messages: :mod:`ssd_eagle.ssd.protocol`). The draft model arrives as a module (its
+tensors in shared memory) and is moved to the speculator's device. Answering before building is what lets drafting overlap the target's verification.
 """
 
 from __future__ import annotations
@@ -13,10 +13,9 @@ import time
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 
+from ssd_eagle.ssd import protocol as p
 from ssd_eagle.ssd import transport as t
-from ssd_eagle.sampling_params import SamplingParams
 
 
 @dataclass
@@ -36,7 +35,7 @@ class SpeculatorSettings:
     device: str = "cpu"
     threads: int = 1
     cpus: list[int] | None = None
-    init_method: str = "tcp://127.0.0.1:29512"
+    store_port: int = 0  # the verifier's TCPStore (set when the process is spawned)
     dist_backend: str = "gloo"
     float_dtype: torch.dtype = torch.float32
     vocab_size: int = 0
@@ -70,70 +69,43 @@ def build_speculator(settings: SpeculatorSettings, draft):
                       settings.fanout_power)
 
 
-def worker_main(settings: SpeculatorSettings, draft) -> None:
+def worker_main(settings: SpeculatorSettings, draft, startup_timeout: float = 300.0) -> None:
     """Entry point of the speculator process."""
     if settings.cpus:
         os.sched_setaffinity(0, settings.cpus)
     torch.set_num_threads(settings.threads)
-    dist.init_process_group(settings.dist_backend, init_method=settings.init_method, rank=1, world_size=2)
     device = torch.device(settings.device)
     if device.type == "cuda":
         torch.cuda.set_device(device)
+    store = t.open_store(settings.store_port, startup_timeout)
+    group = t.pair_group(store, t.SPECULATOR, settings.dist_backend, startup_timeout)
     draft = draft.to(device)
     speculator = build_speculator(settings, draft)
-    channel_device = "cpu" if settings.dist_backend == "gloo" else device
-    channel = t.Channel(peer=0, float_dtype=settings.float_dtype, device=channel_device)
-    intervals: list[float] = []
-    try:
-        serve(speculator, channel, settings, intervals)
-    finally:
-        dist.destroy_process_group()
+    channel = t.Channel(group, t.VERIFIER, settings.float_dtype, "cpu" if settings.dist_backend == "gloo" else device)
+    serve(speculator, channel, [])
 
 
-def serve(speculator, channel: t.Channel, settings: SpeculatorSettings, intervals: list[float]) -> None:
-    """The request loop (also handy to drive from a test)."""
-    from ssd_eagle.ssd.speculator import SpecRequest
-
-    aux_width = None
+def serve(speculator, channel: t.Channel, intervals: list[float]) -> None:
+    """The request loop until SHUTDOWN (also handy to drive from a test); ``intervals`` collects every build's
+    wall-clock start and end."""
     while True:
-        command, ints, floats, _ = channel.recv()
-        if command == t.SHUTDOWN:
+        msg = channel.recv()
+        if msg.command == p.SHUTDOWN:
             return
-        if command == t.ADD:
-            slot, seed, top_k, greedy, n = ints[:5].tolist()
-            tokens = ints[5: 5 + n].tolist()
-            temperature, top_p = floats[:2].tolist()
-            aux = floats[2:].clone().view(n - 1, -1) if floats.numel() > 2 else None
-            if aux is not None:
-                aux_width = aux.shape[1]
-            params = SamplingParams(temperature=0.0 if greedy else temperature, top_p=top_p, top_k=top_k,
-                                    max_tokens=1)
-            speculator.add(slot, tokens, params, seed, aux)
-        elif command == t.REMOVE:
-            speculator.remove(int(ints[0]))
-        elif command == t.STATS:
-            s = speculator.stats
-            channel.send(t.STATS, torch.tensor([s.lookups, s.hits, s.builds, len(s.bonus_ranks), *s.bonus_ranks]),
-                         torch.tensor([s.build_time, *intervals], dtype=torch.float64))
-        elif command == t.PROPOSE:
-            rows = int(ints[0])
-            fields = ints[1: 1 + 4 * rows].view(rows, 4).tolist()
-            accepted_ids = ints[1 + 4 * rows:].tolist()
-            requests, offset, cursor = [], 0, 0
-            for slot, k, bonus, budget in fields:
-                aux = None
-                if aux_width is not None and k >= 0:
-                    aux = floats[offset: offset + (k + 1) * aux_width].clone().view(k + 1, aux_width)
-                    offset += (k + 1) * aux_width
-                accepted = accepted_ids[cursor: cursor + max(k, 0)]
-                cursor += max(k, 0)
-                requests.append(SpecRequest(slot, k, bonus, budget, aux, accepted))
+        if msg.command == p.ADD:
+            seq = p.decode_add(msg)
+            speculator.add(seq.slot, seq.token_ids, seq.params, seq.seed, seq.aux)
+        elif msg.command == p.REMOVE:
+            speculator.remove(p.decode_remove(msg))
+        elif msg.command == p.STATS:
+            channel.send(p.encode_stats(speculator.stats, intervals))
+        elif msg.command == p.PROPOSE:
             try:
-                replies = speculator.propose(requests)
+                replies = speculator.propose(p.decode_propose(msg))
             except Exception:  # noqa: BLE001 - the verifier must hear back, whatever broke
-                channel.send(t.ERROR)
+                channel.send(p.Message(p.ERROR))
                 raise
-            channel.send(t.REPLY, *encode_replies(replies))
+            channel.send(p.encode_reply(replies))
             start = time.time()
             try:
                 speculator.build()
@@ -142,40 +114,4 @@ def serve(speculator, channel: t.Channel, settings: SpeculatorSettings, interval
                     seq.cache = {}
             intervals.extend([start, time.time()])
         else:
-            raise RuntimeError(f"unknown command {command}")
-
-
-def encode_replies(replies) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """REPLY payloads: ints ``[rows, then per row: hit, lookup_k, m, has_q, is_tree, m tokens, (m parents)]``,
-    floats: the q of every row that has one, concatenated."""
-    ints, qs = [len(replies)], []
-    for r in replies:
-        is_tree = r.parents is not None
-        ints += [-1 if r.cache_hit is None else int(r.cache_hit), -1 if r.lookup_k is None else r.lookup_k,
-                 len(r.tokens), int(r.q is not None), int(is_tree), *r.tokens, *(r.parents if is_tree else [])]
-        if r.q is not None:
-            qs.append(r.q.reshape(-1).cpu())
-    return torch.tensor(ints, dtype=torch.long), (torch.cat(qs) if qs else None)
-
-
-def decode_replies(ints: torch.Tensor, floats: torch.Tensor, vocab_size: int):
-    from ssd_eagle.drafters.base import Proposal
-
-    values = ints.tolist()
-    replies, cursor, offset = [], 1, 0
-    for _ in range(values[0]):
-        hit, lookup_k, m, has_q, is_tree = values[cursor: cursor + 5]
-        cursor += 5
-        tokens = values[cursor: cursor + m]
-        cursor += m
-        parents = None
-        if is_tree:
-            parents = values[cursor: cursor + m]
-            cursor += m
-        q = None
-        if has_q:
-            q = floats[offset: offset + m * vocab_size].clone().view(m, vocab_size)
-            offset += m * vocab_size
-        replies.append(Proposal(tokens, q, None if hit < 0 else bool(hit), None if lookup_k < 0 else lookup_k,
-                                 parents))
-    return replies
+            raise RuntimeError(f"unknown command {msg.command}")

@@ -9,12 +9,12 @@ import torch
 from helpers import make_drafter, make_tiny_llama, noisy_copy, random_prompts, reference_greedy
 from ssd_eagle.config import EngineConfig, SpeculativeConfig
 from ssd_eagle.cuda_graphs import StaticForward, runner_forward_fn
+from ssd_eagle.engine.factory import build
 from ssd_eagle.engine.llm import LLM
 from ssd_eagle.engine.llm_engine import LLMEngine
 from ssd_eagle.kv_cache import ForwardBatch
 from ssd_eagle.model_runner import ModelRunner
 from ssd_eagle.sampling_params import SamplingParams
-from ssd_eagle.ssd import build_ssd_drafter
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
                                 reason="needs a CUDA device (scripts/gpu_check.sh runs these on a GPU machine)")
@@ -67,10 +67,8 @@ def test_ssd_two_processes_on_one_gpu(byte_tokenizer):
     spec = SpeculativeConfig(method="draft_model", model="in-memory", num_speculative_tokens=4, fanout=[2])
     cfg = EngineConfig(model="in-memory", mode="ssd", device="cuda:0", draft_device="cuda:0", max_num_seqs=2,
                        max_model_len=512, speculative_config=spec)
-    drafter = build_ssd_drafter(cfg, target, draft=draft)
+    engine = build(cfg, target, tokenizer=byte_tokenizer, draft=draft)
     try:
-        engine = LLMEngine(target, byte_tokenizer, drafter, num_speculative_tokens=4, max_num_seqs=2,
-                           max_model_len=512)
         prompts = random_prompts(2, seed=4)
         outs = LLM(engine=engine).generate(prompts, SamplingParams(temperature=0.0, max_tokens=16))
         cpu_target = target.to("cpu")
@@ -78,4 +76,4 @@ def test_ssd_two_processes_on_one_gpu(byte_tokenizer):
             assert out.token_ids == reference_greedy(cpu_target, prompt, 16)
         assert engine.stats.cache_hits > 0
     finally:
-        drafter.close()
+        engine.close()

@@ -1,0 +1,177 @@
+"""The verifier <-> speculator messages of SSD, each message's encode and decode side by side.
+
+A message is a command and at most two flat payloads: int64 words and floats (the link's float dtype, the
+verifier's). :class:`~ssd_eagle.ssd.transport.Channel` sends the header ``[PROTOCOL_VERSION, command, n_ints,
+n_floats]`` and then the payloads as plain tensors (no pickling on the hot path). Layouts, in int64 words:
+
+    ADD       ints   [slot, seed, top_k, greedy, n, tokens[n]]
+              floats [temperature, top_p, aux[(n - 1) * W]]              (aux of the prompt: EAGLE-3 only)
+    PROPOSE   ints   [rows, W, per row: slot, k, bonus, budget; then every row's k accepted tokens]
+              floats [aux[(k + 1) * W] of every row with k >= 0]         (W = 0: no aux)
+    REPLY     ints   [rows, per row: hit, lookup_k, m, has_q, is_tree, tokens[m], parents[m] if is_tree]
+              floats [q[m * V] of every row with has_q]
+    REMOVE    ints   [slot]
+    STATS     request: empty; reply ints [lookups, hits, builds, backup_forwards, n, ranks[n], build_ns,
+              intervals_ns...] (nanoseconds: exact whatever the float dtype)
+    SHUTDOWN  empty
+    ERROR     empty: the speculator failed to answer; the verifier falls back to ordinary decoding
+
+``k = -1`` is the first round after ADD (no lookup); ``hit`` and ``lookup_k`` are -1 for None. A reply is a
+:class:`~ssd_eagle.drafters.base.Proposal` (its ``cache_hit`` is the ``hit`` word; ``hidden`` stays on the
+speculator's side). Decoded tensors are copies:
+they outlive the channel's receive buffers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ssd_eagle.drafters.base import Proposal
+from ssd_eagle.sampling_params import SamplingParams
+
+PROTOCOL_VERSION = 2  # 1: the unversioned layout before this module (no aux width, float statistics)
+ADD, PROPOSE, REPLY, REMOVE, STATS, SHUTDOWN, ERROR = range(1, 8)
+
+
+@dataclass
+class Message:
+    """One message: a command and its payloads (int64 ``[n_ints]``, float ``[n_floats]``; None when empty)."""
+
+    command: int
+    ints: torch.Tensor | None = None
+    floats: torch.Tensor | None = None
+
+
+@dataclass
+class NewSequence:
+    """What ADD carries: a sequence the speculator starts tracking (``token_ids`` = prompt + first token, ``aux``
+    float [n - 1, W] of the prompt positions or None)."""
+
+    slot: int
+    token_ids: list[int]
+    params: SamplingParams
+    seed: int
+    aux: torch.Tensor | None = None
+
+
+def _none_as(value, empty: int = -1) -> int:
+    return empty if value is None else int(value)
+
+
+def _as_none(word: int):
+    return None if word < 0 else word
+
+
+# ADD
+def encode_add(seq: NewSequence) -> Message:
+    ints = torch.tensor([seq.slot, seq.seed, seq.params.top_k, int(seq.params.greedy), len(seq.token_ids),
+                         *seq.token_ids])
+    floats = torch.tensor([seq.params.temperature, seq.params.top_p], dtype=torch.float64)
+    if seq.aux is not None:
+        floats = torch.cat([floats, seq.aux.detach().reshape(-1).to("cpu", torch.float64)])
+    return Message(ADD, ints, floats)
+
+
+def decode_add(msg: Message) -> NewSequence:
+    slot, seed, top_k, greedy, n = msg.ints[:5].tolist()
+    temperature, top_p = msg.floats[:2].tolist()
+    aux = msg.floats[2:].clone().view(n - 1, -1) if msg.floats.numel() > 2 else None
+    params = SamplingParams(temperature=0.0 if greedy else temperature, top_p=top_p, top_k=top_k, max_tokens=1)
+    return NewSequence(slot, msg.ints[5: 5 + n].tolist(), params, seed, aux)
+
+
+# PROPOSE
+def encode_propose(requests: list) -> Message:
+    """``requests``: :class:`~ssd_eagle.ssd.speculator.SpecRequest` rows (aux float [k + 1, W] or None)."""
+    auxes = [r.aux for r in requests if r.aux is not None and r.num_accepted >= 0]
+    width = auxes[0].shape[-1] if auxes else 0
+    ints = [len(requests), width]
+    for r in requests:
+        ints += [r.slot, r.num_accepted, r.bonus, r.budget]
+    for r in requests:
+        ints += list(r.accepted or [])
+    floats = torch.cat([a.detach().reshape(-1).cpu() for a in auxes]) if auxes else None
+    return Message(PROPOSE, torch.tensor(ints, dtype=torch.long), floats)
+
+
+def decode_propose(msg: Message) -> list:
+    from ssd_eagle.ssd.speculator import SpecRequest
+
+    values = msg.ints.tolist()
+    rows, width = values[:2]
+    fields = [values[2 + 4 * i: 6 + 4 * i] for i in range(rows)]
+    cursor, offset, requests = 2 + 4 * rows, 0, []
+    for slot, k, bonus, budget in fields:
+        aux = None
+        if width and k >= 0:
+            aux = msg.floats[offset: offset + (k + 1) * width].clone().view(k + 1, width)
+            offset += (k + 1) * width
+        accepted = values[cursor: cursor + max(k, 0)]
+        cursor += max(k, 0)
+        requests.append(SpecRequest(slot, k, bonus, budget, aux, accepted))
+    return requests
+
+
+# REPLY
+def encode_reply(proposals: list[Proposal]) -> Message:
+    ints, qs = [len(proposals)], []
+    for p in proposals:
+        is_tree = p.parents is not None
+        ints += [_none_as(p.cache_hit), _none_as(p.lookup_k), len(p.tokens), int(p.q is not None), int(is_tree),
+                 *p.tokens, *(p.parents if is_tree else [])]
+        if p.q is not None:
+            qs.append(p.q.reshape(-1).cpu())
+    return Message(REPLY, torch.tensor(ints, dtype=torch.long), torch.cat(qs) if qs else None)
+
+
+def decode_reply(msg: Message, vocab_size: int) -> list[Proposal]:
+    """``vocab_size``: V, the width of every q row."""
+    values = msg.ints.tolist()
+    proposals, cursor, offset = [], 1, 0
+    for _ in range(values[0]):
+        hit, lookup_k, m, has_q, is_tree = values[cursor: cursor + 5]
+        cursor += 5
+        tokens = values[cursor: cursor + m]
+        cursor += m
+        parents = None
+        if is_tree:
+            parents = values[cursor: cursor + m]
+            cursor += m
+        q = None
+        if has_q:
+            q = msg.floats[offset: offset + m * vocab_size].clone().view(m, vocab_size)
+            offset += m * vocab_size
+        hit = _as_none(hit)
+        proposals.append(Proposal(tokens, q, None if hit is None else bool(hit), _as_none(lookup_k), parents))
+    return proposals
+
+
+# REMOVE
+def encode_remove(slot: int) -> Message:
+    return Message(REMOVE, torch.tensor([slot]))
+
+
+def decode_remove(msg: Message) -> int:
+    return int(msg.ints[0])
+
+
+# STATS (the reply; the request is ``Message(STATS)``)
+def encode_stats(stats, intervals: list[float]) -> Message:
+    """``stats``: a :class:`~ssd_eagle.ssd.speculator.SpeculatorStats`; ``intervals``: wall-clock build
+    start/end pairs in seconds (``time.time()``)."""
+    ns = [round(x * 1e9) for x in (stats.build_time, *intervals)]
+    return Message(STATS, torch.tensor([stats.lookups, stats.hits, stats.builds, stats.backup_forwards,
+                                        len(stats.bonus_ranks), *stats.bonus_ranks, *ns], dtype=torch.long))
+
+
+def decode_stats(msg: Message):
+    """``(SpeculatorStats, intervals in seconds)``."""
+    from ssd_eagle.ssd.speculator import SpeculatorStats
+
+    values = msg.ints.tolist()
+    lookups, hits, builds, backup_forwards, n = values[:5]
+    build_ns, *intervals = values[5 + n:]
+    stats = SpeculatorStats(lookups, hits, values[5: 5 + n], build_ns / 1e9, builds, backup_forwards)
+    return stats, [x / 1e9 for x in intervals]
