@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import make_tiny_llama
+from helpers import make_tiny_llama
 from ssd_eagle.planner import (Acceptance, CostTable, OnlineLine, Planner, PlannerConfig, expected_tokens,
                                measure_verify_costs)
 
