@@ -133,3 +133,16 @@ def test_two_links_live_at_once_beside_any_default_group():
     for n, (verifier, speculator) in enumerate((first, second, first)):
         assert p.decode_remove(_deliver(verifier, p.encode_remove(n), speculator)) == n
     assert dist.is_initialized() == had_default  # the links made no default group
+
+
+def test_a_bf16_link_carries_q_and_sampling_parameters_exactly():
+    """Bug fix: a bf16 draft's link sent q, temperature and top_p as bf16 (0.7 arrived as 0.6992 and the
+    verifier's ratio test used a rounded q)."""
+    verifier, speculator, _store = _pair(torch.bfloat16)
+    q = torch.softmax(torch.randn(2, V, dtype=torch.float64), dim=-1).float()
+    proposals = [Proposal([3, 4], q, True, 1)]
+    assert_same_proposals(p.decode_reply(_deliver(speculator, p.encode_reply(proposals), verifier), V), proposals)
+    params = SamplingParams(temperature=0.7, top_p=0.9, max_tokens=1)
+    msg = _deliver(verifier, p.encode_add(p.NewSequence(0, [1, 2], params, 5)), speculator)
+    assert msg.floats.dtype == torch.float32 and msg.floats[:2].tolist() == [torch.tensor(0.7).item(),
+                                                                              torch.tensor(0.9).item()]

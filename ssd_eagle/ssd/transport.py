@@ -65,7 +65,10 @@ class Channel:
     Args:
         group: the pair's process group (:func:`pair_group`, or a two-rank ``new_group`` of a launch).
         peer: the other end's rank in ``group``.
-        float_dtype: dtype of float payloads (aux states, q).
+        float_dtype: the draft's dtype. Float payloads travel in it, but never narrower than float32: the q of a
+            sampled proposal and the sampling parameters must reach the verifier exactly as the speculator used
+            them (a bf16 q rounded on the way would change the output law at T > 0; temperature 0.7 would arrive
+            as 0.6992).
         device: where buffers live (the process's device; CPU for gloo).
         max_ints / max_floats: preallocated payload sizes; larger messages allocate.
     """
@@ -74,10 +77,10 @@ class Channel:
                  max_ints: int = 1 << 16, max_floats: int = 1 << 22):
         self.group, self.peer = group, peer
         self.device = device
-        self.float_dtype = float_dtype
+        self.float_dtype = torch.promote_types(float_dtype, torch.float32)
         self.header = torch.zeros(HEADER, dtype=torch.long, device=device)
         self.ints = torch.zeros(max_ints, dtype=torch.long, device=device)
-        self.floats = torch.zeros(max_floats, dtype=float_dtype, device=device)
+        self.floats = torch.zeros(max_floats, dtype=self.float_dtype, device=device)
 
     def send(self, msg: Message) -> None:
         """Send one message (int payloads as int64, floats in ``float_dtype``)."""
