@@ -34,7 +34,11 @@ class Sequence:
 
     Attributes:
         token_ids: prompt followed by the output so far. The target's cache holds every token but the last.
-        num_cached: target cache positions that hold committed tokens (``len(token_ids) - 1`` between rounds).
+        num_cached: target cache positions that hold committed tokens (``len(token_ids) - 1`` between rounds;
+            while the prompt is being prefilled, its tokens cached so far, reused prefix included).
+        num_reused: prompt tokens whose keys/values came from the prefix cache instead of a prefill.
+        prompt_aux: the target's aux hidden states of the cached prompt positions so far (float [n, 3H] pieces, in
+            order), kept for drafters that need them (``add_sequence``) and for the prefix cache.
         slot: the cache row (target and draft caches) while running, else -1.
         generator: the verifier's random stream (acceptance tests, bonus samples).
         draft_generator: the drafter's random stream (draft samples), independent of the verifier's.
@@ -50,6 +54,8 @@ class Sequence:
     detokenizer: IncrementalDetokenizer
     slot: int = -1
     num_cached: int = 0
+    num_reused: int = 0
+    prompt_aux: list[torch.Tensor] = field(default_factory=list)
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: str | None = None
     stop_reason: int | str | None = None
@@ -71,6 +77,11 @@ class Sequence:
     @property
     def finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
+
+    @property
+    def prefilling(self) -> bool:
+        """Part of the prompt is not in the target's cache yet (no token sampled)."""
+        return self.num_cached < self.num_prompt_tokens
 
 
 @dataclass
