@@ -13,9 +13,21 @@ method of ``transformers.Cache`` that Llama-family attention uses). No modeling 
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 from dataclasses import dataclass
 
 import torch
+
+TRIM_BYTES = 64 * 2**20  # a CPU store shrinking by this much hands its freed heap back to the OS
+
+
+def trim_host_memory() -> None:
+    """Return the freed heap to the OS (glibc's ``malloc_trim``; nothing where the C library has none). Freed CPU
+    tensors otherwise stay in the process's heap, and its RSS would keep the peak of the longest request."""
+    libc = ctypes.CDLL(ctypes.util.find_library("c"))
+    if hasattr(libc, "malloc_trim"):
+        libc.malloc_trim(0)
 
 
 class KVCache:
@@ -80,7 +92,8 @@ class KVCache:
 
     def resize(self, num_rows: int, capacity: int) -> None:
         """Reallocate every layer to ``[num_rows, kv_heads, capacity, head_dim]``, keeping what fits (slots past
-        ``num_rows`` and positions past ``capacity`` are dropped). Frees memory when shrinking.
+        ``num_rows`` and positions past ``capacity`` are dropped). Frees memory when shrinking (a large CPU
+        shrink also trims the heap, :func:`trim_host_memory`).
 
         Raises:
             ValueError: ``num_rows`` not in ``[1, num_slots]`` or ``capacity`` not in ``[1, max_len]``.
@@ -90,7 +103,7 @@ class KVCache:
                              f"(at most {self.num_slots} x {self.max_len})")
         if (num_rows, capacity) == (self.num_rows, self.capacity):
             return
-        rows, cap = min(num_rows, self.num_rows), min(capacity, self.capacity)
+        rows, cap, before = min(num_rows, self.num_rows), min(capacity, self.capacity), self.nbytes
         with torch.inference_mode(False):  # growing inside a forward must not make the store an inference tensor,
             for layer in range(self.num_layers):  # which compact() / copy_slot() could not update outside one
                 for store in (self.keys, self.values):
@@ -99,6 +112,8 @@ class KVCache:
                     new[:rows, :, :cap] = old[:rows, :, :cap]
                     store[layer] = new
         self.num_rows, self.capacity = num_rows, capacity
+        if self.keys[0].device.type == "cpu" and before - self.nbytes >= TRIM_BYTES:
+            trim_host_memory()
 
     def bind(self, batch: ForwardBatch) -> KVCache:
         """Set the batch the next forward belongs to (slots, write positions, attended length)."""
