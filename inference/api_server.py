@@ -15,16 +15,14 @@ Errors always have OpenAI's body ``{"error": {"message", "type", "param", "code"
 ``/v1/*``, 404 for an unknown model, 413 for an oversized body, 503 when the queue is full or the server is
 draining, 500 when the engine failed on the request (a stream then ends with an ``error`` event and ``[DONE]``).
 A client that disconnects has its request aborted in the engine.
+
+This module holds the app (its state and lifespan) and the routes; :mod:`inference.errors` the error shapes and
+body parsing, :mod:`inference.responses` a request's lifecycle, streaming and response shapes.
 """
 
 from __future__ import annotations
 
-import asyncio
-import dataclasses
-import hmac
-import json
 import logging
-import re
 import time
 import uuid
 from contextlib import asynccontextmanager
@@ -32,44 +30,21 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from fastapi import APIRouter, Depends, FastAPI, Request
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, ValidationError
-from starlette.exceptions import HTTPException as StarletteHTTPException
+from fastapi.responses import JSONResponse, Response
 
 from ssd_eagle.engine.llm import render_chat
 from ssd_eagle.engine.sequence import RequestOutput
 
-from inference.async_engine import AsyncEngine, EngineStepError, EngineUnavailable, RequestStream
+from inference.async_engine import AsyncEngine
+from inference.errors import APIError, install_error_handlers, parse_body, require_api_key
 from inference.metrics import ServerMetrics
-from inference.protocol import (ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest,
-                                ChatCompletionResponse, ChatMessageOut, CompletionChoice, CompletionLogprobs,
-                                CompletionLogprobsBuilder, CompletionRequest, CompletionResponse, DeltaMessage,
-                                ErrorInfo, ErrorResponse, ModelCard, ModelList, RequestError, TokenTexts, Usage,
-                                chat_logprobs, dump_chunk)
+from inference.protocol import (ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, RequestError,
+                                TokenTexts)
+from inference.responses import ChatFormatter, CompletionFormatter, serve_request
 
 log = logging.getLogger(__name__)
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
-_ENDPOINTS = {"/v1/completions": "completions", "/v1/chat/completions": "chat"}
-_TYPE_TAGS = {"str", "int", "float", "bool", "none", "list", "dict"}
-
-
-class APIError(Exception):
-    """An error response in OpenAI's format."""
-
-    def __init__(self, status: int, message: str, type: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None, headers: dict | None = None):
-        super().__init__(message)
-        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
-        self.headers = headers
-
-    def body(self) -> dict:
-        return ErrorResponse(error=ErrorInfo(message=self.message, type=self.type, param=self.param,
-                                             code=self.code)).model_dump()
-
-    def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
 
 
 @dataclass
@@ -142,118 +117,10 @@ def build_app(engine, served_model_name: str | Sequence[str], *, api_key: str | 
     longest_token = max((len(t) for t in engine.tokenizer.get_vocab()), default=1)
     app.state.server = ServerState(engine, async_engine, metrics, names, api_key, TokenTexts(engine.tokenizer),
                                    max_request_bytes, engine.max_model_len * max(longest_token, 1))
-    _install_error_handlers(app)
+    install_error_handlers(app)
     app.include_router(_ops_router)
     app.include_router(_v1_router)
     return app
-
-
-# ------------------------------------------------------------------------------------------------------- errors
-def _install_error_handlers(app: FastAPI) -> None:
-    def refuse(request: Request, err: APIError) -> JSONResponse:
-        endpoint = _ENDPOINTS.get(request.url.path)
-        if endpoint is not None:
-            request.app.state.server.metrics.observe_request(endpoint, str(err.status))
-            log.info("request refused", extra={"fields": {
-                "event": "request_refused", "endpoint": endpoint, "status": err.status, "code": err.code,
-                "param": err.param, "message": err.message}})
-        return err.response()
-
-    @app.exception_handler(APIError)
-    async def _api_error(request: Request, err: APIError):
-        return refuse(request, err)
-
-    @app.exception_handler(RequestError)
-    async def _request_error(request: Request, err: RequestError):
-        return refuse(request, APIError(400, err.message, param=err.param, code=err.code))
-
-    @app.exception_handler(EngineUnavailable)
-    async def _unavailable(request: Request, err: EngineUnavailable):
-        return refuse(request, APIError(503, err.message, type="server_error", code=err.code,
-                                        headers={"Retry-After": "1"}))
-
-    @app.exception_handler(RequestValidationError)
-    async def _validation(request: Request, err: RequestValidationError):
-        return refuse(request, _validation_error(err.errors()))
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _http(request: Request, err: StarletteHTTPException):
-        return refuse(request, APIError(err.status_code, str(err.detail),
-                                        "invalid_request_error" if err.status_code < 500 else "server_error",
-                                        headers=getattr(err, "headers", None)))
-
-    @app.exception_handler(Exception)
-    async def _unexpected(request: Request, err: Exception):
-        log.error("unhandled error", exc_info=err, extra={"fields": {"event": "unhandled_error",
-                                                                     "path": request.url.path}})
-        return refuse(request, APIError(500, f"internal server error ({type(err).__name__})", "server_error",
-                                        code="internal_error"))
-
-
-def _param_of(loc: tuple) -> tuple[str | None, str | None]:
-    """(``messages[0].content``-style parameter, union member tag) of a pydantic error location."""
-    param, tag = "", None
-    for part in loc:
-        if isinstance(part, int):
-            param += f"[{part}]"
-        elif re.fullmatch(r"[A-Za-z_]\w*", part) and part not in _TYPE_TAGS:
-            param += ("." if param else "") + part
-        elif tag is None:
-            tag = part
-    return param or None, tag
-
-
-def _validation_error(errors: list[dict]) -> APIError:
-    """Turn pydantic errors into one 400 naming the first offending parameter."""
-    # the most specific error: with a union (str | list[...]) the deepest location names the real culprit
-    first = max(errors, key=lambda e: len([p for p in e["loc"] if _param_of((p,))[0] or isinstance(p, int)]))
-    kind = first["type"]
-    if kind == "json_invalid":
-        detail = first.get("ctx", {}).get("error", first["msg"])
-        return APIError(400, f"the request body is not valid JSON: {detail}", code="invalid_json")
-    param, _ = _param_of(tuple(first["loc"]))
-    if param is None:
-        return APIError(400, "the request body must be a JSON object", code="invalid_request_body")
-    if kind == "extra_forbidden":
-        return APIError(400, f"unsupported parameter '{param}'", param=param, code="unsupported_parameter")
-    if kind == "missing":
-        return APIError(400, f"missing required parameter '{param}'", param=param, code="missing_required_parameter")
-    same = [e for e in errors if _param_of(tuple(e["loc"]))[0] == param]
-    tags = [t for t in (_param_of(tuple(e["loc"]))[1] for e in same) if t]
-    if len(same) > 1 and len(set(tags)) > 1:
-        message = f"invalid value for '{param}': expected one of {', '.join(dict.fromkeys(tags))}"
-    else:
-        message = f"invalid value for '{param}': {first['msg'].removeprefix('Value error, ')}"
-    return APIError(400, message, param=param, code="invalid_value")
-
-
-async def _parse_body(request: Request, schema: type[BaseModel]) -> BaseModel:
-    """Read and validate a JSON body (strict UTF-8, size-limited). Raises APIError 400/413."""
-    limit = request.app.state.server.max_request_bytes
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise APIError(413, f"the request body exceeds {limit} bytes", code="request_too_large")
-        chunks.append(chunk)
-    try:
-        text = b"".join(chunks).decode("utf-8")
-    except UnicodeDecodeError as err:
-        raise APIError(400, f"the request body is not valid UTF-8 (byte {err.start})", code="invalid_utf8") from None
-    try:
-        return schema.model_validate_json(text)
-    except ValidationError as err:
-        raise _validation_error(err.errors(include_url=False)) from None
-
-
-async def _require_api_key(request: Request) -> None:
-    key = request.app.state.server.api_key
-    if not key:
-        return
-    scheme, _, token = request.headers.get("authorization", "").partition(" ")
-    if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
-        raise APIError(401, "missing or incorrect API key: send 'Authorization: Bearer <key>'",
-                       code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
 
 
 # ------------------------------------------------------------------------------------------- operational routes
@@ -285,7 +152,7 @@ async def metrics(request: Request) -> Response:
 
 
 # ------------------------------------------------------------------------------------------------- /v1 routes
-_v1_router = APIRouter(prefix="/v1", dependencies=[Depends(_require_api_key)])
+_v1_router = APIRouter(prefix="/v1", dependencies=[Depends(require_api_key)])
 
 
 def _model_card(server: ServerState, name: str) -> ModelCard:
@@ -317,13 +184,20 @@ def _check_length(prompt_ids: list[int], max_tokens: int, max_model_len: int, vo
             "max_tokens" if max_tokens_given else prompt_param, "context_length_exceeded")
 
 
+async def _accept(request: Request, schema: type[CompletionRequest | ChatCompletionRequest]):
+    """Parse and check a completion request. Returns ``(server state, request body, the model name to answer
+    with)``; raises APIError 400/404/413 or RequestError for what the server refuses."""
+    server: ServerState = request.app.state.server
+    req = await parse_body(request, schema)
+    model = server.check_model(req.model)
+    req.check_supported()
+    return server, req, model
+
+
 @_v1_router.post("/completions")
 async def create_completion(request: Request):
     arrival = time.monotonic()
-    server: ServerState = request.app.state.server
-    req: CompletionRequest = await _parse_body(request, CompletionRequest)
-    model = server.check_model(req.model)
-    req.check_supported()
+    server, req, model = await _accept(request, CompletionRequest)
     prompt = req.single_prompt()
     if isinstance(prompt, str):
         server.check_prompt_chars(len(prompt), "prompt")
@@ -336,18 +210,15 @@ async def create_completion(request: Request):
                       req.max_tokens is not None)
         return ids, params
 
-    formatter = _CompletionFormatter(server, f"cmpl-{uuid.uuid4().hex}", model, req.logprobs is not None,
+    formatter = CompletionFormatter(server, f"cmpl-{uuid.uuid4().hex}", model, req.logprobs is not None,
                                      _include_usage(req))
-    return await _serve(request, server, "completions", formatter, prepare, req.stream, arrival)
+    return await serve_request(request, server, "completions", formatter, prepare, req.stream, arrival)
 
 
 @_v1_router.post("/chat/completions")
 async def create_chat_completion(request: Request):
     arrival = time.monotonic()
-    server: ServerState = request.app.state.server
-    req: ChatCompletionRequest = await _parse_body(request, ChatCompletionRequest)
-    model = server.check_model(req.model)
-    req.check_supported()
+    server, req, model = await _accept(request, ChatCompletionRequest)
     requested = req.requested_max_tokens
     params = req.sampling_params(requested or 1, req.num_logprobs)
     messages = [m.to_template() for m in req.messages]
@@ -367,212 +238,11 @@ async def create_chat_completion(request: Request):
             raise RequestError(f"this model's maximum context length is {engine.max_model_len} tokens and the "
                                f"messages already take {len(ids)}", "messages", "context_length_exceeded")
         _check_length(ids, max_tokens, engine.max_model_len, engine.vocab_size, "messages", requested is not None)
-        return ids, dataclasses.replace(params, max_tokens=max_tokens)
+        return ids, params.model_copy(update={"max_tokens": max_tokens})  # >= 1: checked above
 
-    formatter = _ChatFormatter(server, f"chatcmpl-{uuid.uuid4().hex}", model, req.logprobs, _include_usage(req))
-    return await _serve(request, server, "chat", formatter, prepare, req.stream, arrival)
+    formatter = ChatFormatter(server, f"chatcmpl-{uuid.uuid4().hex}", model, req.logprobs, _include_usage(req))
+    return await serve_request(request, server, "chat", formatter, prepare, req.stream, arrival)
 
 
 def _include_usage(req) -> bool:
     return bool(req.stream and req.stream_options is not None and req.stream_options.include_usage)
-
-
-# ------------------------------------------------------------------------------------------- request lifecycle
-class _Tracker:
-    """Timing and token counts of one request; records metrics and one JSON log line when it ends."""
-
-    def __init__(self, server: ServerState, endpoint: str, request_id: str, stream: bool, arrival: float):
-        self.server, self.endpoint, self.request_id, self.stream = server, endpoint, request_id, stream
-        self.start = arrival  # time.monotonic() when the handler was entered
-        self.first_token: float | None = None
-        self.prompt_tokens = 0
-        self.completion_tokens = 0
-        self.stats: dict | None = None
-
-    def on_output(self, out: RequestOutput) -> None:
-        if out.delta_token_ids and self.first_token is None:
-            self.first_token = time.monotonic()
-        self.completion_tokens += len(out.delta_token_ids)
-
-    def done(self, outcome: str, status: int) -> None:
-        latency = time.monotonic() - self.start
-        ttft = None if self.first_token is None else self.first_token - self.start
-        self.server.metrics.observe_request(self.endpoint, outcome, self.prompt_tokens, self.completion_tokens,
-                                            latency if outcome in ("stop", "length") else None, ttft)
-        fields = {"event": "request_finished", "request_id": self.request_id, "endpoint": self.endpoint,
-                  "stream": self.stream, "status": status, "outcome": outcome, "prompt_tokens": self.prompt_tokens,
-                  "completion_tokens": self.completion_tokens, "latency_s": round(latency, 4),
-                  "ttft_s": None if ttft is None else round(ttft, 4)}
-        if self.stats:
-            fields.update(tau=self.stats.get("tau"), cache_hit_rate=self.stats.get("cache_hit_rate"))
-        log.info("request finished", extra={"fields": fields})
-
-
-async def _serve(request: Request, server: ServerState, endpoint: str, formatter, prepare, stream: bool,
-                 arrival: float):
-    """Queue the request, then stream its events or wait for its response (aborting it if the client leaves)."""
-    tracker = _Tracker(server, endpoint, formatter.request_id, stream, arrival)
-    rs = await server.async_engine.add_request(formatter.request_id, prepare)
-    tracker.prompt_tokens = rs.num_prompt_tokens
-    headers = {"X-Request-Id": formatter.request_id}
-    if stream:
-        return StreamingResponse(_event_stream(server, rs, formatter, tracker), media_type="text/event-stream",
-                                 headers={**headers, "Cache-Control": "no-cache"})
-    final = await _collect_unless_disconnected(request, server, rs, tracker)
-    if final is None:  # the client went away; nobody reads this
-        return Response(status_code=499, headers=headers)
-    return JSONResponse(formatter.response(final), headers=headers)
-
-
-async def _collect_unless_disconnected(request: Request, server: ServerState, rs: RequestStream,
-                                       tracker: _Tracker) -> RequestOutput | None:
-    """The finished output, or None when the client disconnected first (the request is then aborted)."""
-    async def collect() -> RequestOutput:
-        final = None
-        async for out in rs:
-            tracker.on_output(out)
-            final = out
-        return final
-
-    async def disconnected() -> None:
-        while (await request.receive())["type"] != "http.disconnect":
-            pass
-
-    work, watch = asyncio.ensure_future(collect()), asyncio.ensure_future(disconnected())
-    try:
-        await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
-    except asyncio.CancelledError:
-        work.cancel()
-        server.async_engine.abort(rs.request_id)
-        raise
-    finally:
-        watch.cancel()
-    if not work.done():
-        work.cancel()
-        server.async_engine.abort(rs.request_id)
-        tracker.done("aborted", 499)
-        return None
-    try:
-        final = work.result()
-    except EngineStepError as err:
-        tracker.done("error", 500)
-        raise APIError(500, str(err), "server_error", code="engine_error") from None
-    tracker.stats = server.spec_stats(final)
-    tracker.done(final.finish_reason, 200)
-    return final
-
-
-def _sse(data: dict | str) -> str:
-    payload = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False, separators=(",", ":"))
-    return f"data: {payload}\n\n"
-
-
-async def _event_stream(server: ServerState, rs: RequestStream, formatter, tracker: _Tracker):
-    """Server-sent events of one request; aborts it in the engine if the client goes away (cancellation)."""
-    outcome, status = "aborted", 499
-    try:
-        try:
-            final = None
-            async for out in rs:
-                tracker.on_output(out)
-                final = out
-                chunk = formatter.chunk(out)
-                if chunk is not None:
-                    yield _sse(chunk)
-            tracker.stats = server.spec_stats(final)
-            outcome, status = final.finish_reason, 200
-            if formatter.include_usage:
-                yield _sse(formatter.usage_chunk(final))
-        except EngineStepError as err:
-            outcome, status = "error", 500
-            yield _sse(APIError(500, str(err), "server_error", code="engine_error").body())
-        yield _sse("[DONE]")
-    finally:
-        if outcome == "aborted":
-            server.async_engine.abort(rs.request_id)
-        tracker.done(outcome, status)
-
-
-# ---------------------------------------------------------------------------------------------- response shapes
-class _CompletionFormatter:
-    """``text_completion`` responses and chunks of one request."""
-
-    def __init__(self, server: ServerState, request_id: str, model: str, logprobs: bool, include_usage: bool):
-        self.server, self.request_id, self.model = server, request_id, model
-        self.logprobs, self.include_usage = logprobs, include_usage
-        self.created = int(time.time())
-        self._logprobs_builder = CompletionLogprobsBuilder(server.token_texts)
-
-    def _logprobs(self, out: RequestOutput, num_tokens: int) -> CompletionLogprobs | None:
-        if not self.logprobs or num_tokens == 0:
-            return None
-        entries = out.outputs[0].logprobs
-        return self._logprobs_builder.build(entries[len(entries) - num_tokens:])
-
-    def _wrap(self, choice: CompletionChoice, out: RequestOutput | None, usage: Usage | None = None) -> dict:
-        stats = self.server.spec_stats(out) if out is not None and out.finished else None
-        return dump_chunk(CompletionResponse(id=self.request_id, created=self.created, model=self.model,
-                                             choices=[] if choice is None else [choice], usage=usage, spec_stats=stats),
-                          self.include_usage)
-
-    def response(self, out: RequestOutput) -> dict:
-        choice = CompletionChoice(text=out.text, logprobs=self._logprobs(out, len(out.token_ids)),
-                                  finish_reason=out.finish_reason)
-        return self._wrap(choice, out, _usage(out))
-
-    def chunk(self, out: RequestOutput) -> dict | None:
-        lp = self._logprobs(out, len(out.delta_token_ids))
-        if not out.delta_text and lp is None and not out.finished:
-            return None
-        choice = CompletionChoice(text=out.delta_text, logprobs=lp,
-                                  finish_reason=out.finish_reason if out.finished else None)
-        return self._wrap(choice, out)
-
-    def usage_chunk(self, out: RequestOutput) -> dict:
-        return self._wrap(None, out, _usage(out))
-
-
-class _ChatFormatter:
-    """``chat.completion`` responses and ``chat.completion.chunk`` chunks of one request."""
-
-    def __init__(self, server: ServerState, request_id: str, model: str, logprobs: bool, include_usage: bool):
-        self.server, self.request_id, self.model = server, request_id, model
-        self.logprobs, self.include_usage = logprobs, include_usage
-        self.created = int(time.time())
-        self._sent_role = False
-
-    def _logprobs(self, out: RequestOutput, num_tokens: int):
-        if not self.logprobs or num_tokens == 0:
-            return None
-        entries = out.outputs[0].logprobs
-        return chat_logprobs(entries[len(entries) - num_tokens:], self.server.token_texts)
-
-    def response(self, out: RequestOutput) -> dict:
-        choice = ChatChoice(message=ChatMessageOut(content=out.text),
-                            logprobs=self._logprobs(out, len(out.token_ids)), finish_reason=out.finish_reason)
-        return dump_chunk(ChatCompletionResponse(id=self.request_id, created=self.created, model=self.model,
-                                                 choices=[choice], usage=_usage(out),
-                                                 spec_stats=self.server.spec_stats(out)), True)
-
-    def _chunk(self, choices: list[ChatChunkChoice], out: RequestOutput, usage: Usage | None = None) -> dict:
-        stats = self.server.spec_stats(out) if out.finished else None
-        return dump_chunk(ChatCompletionChunk(id=self.request_id, created=self.created, model=self.model,
-                                              choices=choices, usage=usage, spec_stats=stats), self.include_usage)
-
-    def chunk(self, out: RequestOutput) -> dict | None:
-        lp = self._logprobs(out, len(out.delta_token_ids))
-        first = not self._sent_role
-        if not (out.delta_text or lp or out.finished or first):
-            return None
-        self._sent_role = True
-        delta = DeltaMessage(role="assistant" if first else None,
-                             content=out.delta_text if out.delta_text or first else None)
-        return self._chunk([ChatChunkChoice(delta=delta, logprobs=lp,
-                                            finish_reason=out.finish_reason if out.finished else None)], out)
-
-    def usage_chunk(self, out: RequestOutput) -> dict:
-        return self._chunk([], out, _usage(out))
-
-
-def _usage(out: RequestOutput) -> Usage:
-    return Usage.of(len(out.prompt_token_ids), len(out.token_ids))

@@ -14,18 +14,22 @@ import json
 import sys
 import time
 
-from ssd_eagle.config import add_engine_args, engine_config_from_args
+from ssd_eagle.config import ENGINE_FLAGS, add_engine_args, engine_config_from_args
 from ssd_eagle.sampling_params import SamplingParams
+from ssd_eagle.schema import Flag, add_flags, parse_flags
+
+SAMPLING_FLAGS = (
+    Flag(SamplingParams, "max_tokens", default=128),
+    Flag(SamplingParams, "temperature", default=0.0),
+    Flag(SamplingParams, "top_p"),
+    Flag(SamplingParams, "top_k"),
+    Flag(SamplingParams, "seed", dest="request_seed", names=("--seed-request",)),
+    Flag(SamplingParams, "stop", help="stop string (repeatable)"),
+)
 
 
 def add_sampling_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    g = parser.add_argument_group("sampling")
-    g.add_argument("--max-tokens", type=int, default=128)
-    g.add_argument("--temperature", type=float, default=0.0)
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--top-k", type=int, default=0)
-    g.add_argument("--seed-request", dest="request_seed", type=int, default=None, help="the request's own seed")
-    g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    add_flags(parser.add_argument_group("sampling"), SAMPLING_FLAGS)
     return parser
 
 
@@ -37,12 +41,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     add_engine_args(parser)
     add_sampling_args(parser)
-    args = parser.parse_args(argv)
+    args = parse_flags(parser, (*ENGINE_FLAGS, *SAMPLING_FLAGS), argv)
     from ssd_eagle.engine.llm import LLM
 
     try:
-        params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                                top_k=args.top_k, seed=args.request_seed, stop=args.stop)
+        params = SamplingParams(**{f.field: getattr(args, f.dest) for f in SAMPLING_FLAGS})
         llm = LLM(config=engine_config_from_args(args))
         start = time.perf_counter()
         if args.no_chat:

@@ -44,9 +44,8 @@ def build_parser() -> argparse.ArgumentParser:
 def wants_speculator(command_args: list[str]) -> bool:
     """Whether the command's flags select SSD (``--mode``, else a ``--config`` YAML's ``mode``, else the default
     serving config's mode)."""
-    import yaml
-
     from ssd_eagle.config import default_mode
+    from ssd_eagle.schema import load_yaml
 
     pre = argparse.ArgumentParser(add_help=False)
     pre.add_argument("--mode")
@@ -54,7 +53,7 @@ def wants_speculator(command_args: list[str]) -> bool:
     known, _ = pre.parse_known_args(command_args)
     mode = known.mode
     if mode is None and known.config and Path(known.config).is_file():
-        mode = (yaml.safe_load(Path(known.config).read_text()) or {}).get("mode")
+        mode = load_yaml(known.config).get("mode")
     return (mode or default_mode()) == "ssd"
 
 

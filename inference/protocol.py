@@ -1,10 +1,11 @@
 """Request and response schemas of the OpenAI-compatible API (OpenAI's field names and shapes; vLLM's extras).
 
-Requests are validated strictly (JSON types are not coerced: ``"16"`` is not an integer) and unknown fields are
-rejected, so nothing a client sends is silently ignored. Fields that OpenAI defines but this server does not
-implement are accepted only at their neutral value (``n=1``, ``presence_penalty=0``, ``echo=false`` ...);
-:meth:`CompletionRequest.check_supported` / :meth:`ChatCompletionRequest.check_supported` raise
-:class:`RequestError` naming the parameter otherwise.
+Requests are validated strictly (JSON types are not coerced: ``"16"`` is not an integer; numbers must be finite:
+``"temperature": Infinity`` or ``NaN`` is refused) and unknown fields are rejected, so nothing a client sends is
+silently ignored. The sampling fields take their constraints from the types of :mod:`ssd_eagle.sampling_params`.
+Fields that OpenAI defines but this server does not implement are accepted only at their neutral value (``n=1``,
+``presence_penalty=0``, ``echo=false`` ...); :meth:`CompletionRequest.check_supported` /
+:meth:`ChatCompletionRequest.check_supported` raise :class:`RequestError` naming the parameter otherwise.
 
 Extras beyond OpenAI (vLLM's names): ``top_k``, ``ignore_eos``, ``stop_token_ids``, ``skip_special_tokens``,
 ``include_stop_str_in_output``. Responses add ``spec_stats`` (see :meth:`ssd_eagle.stats.SpecStats.summary`).
@@ -18,13 +19,12 @@ import re
 import time
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, Field, ValidationError, model_validator
 
 from ssd_eagle.engine.sequence import TokenLogprob
-from ssd_eagle.sampling_params import SamplingParams
-
-INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
-MAX_LOGPROBS = 20  # SamplingParams' bound
+from ssd_eagle.sampling_params import (Logprobs, MaxTokens, SamplingParams, Seed, Stop, StopTokenIds, Temperature,
+                                       TopK, TopP)
+from ssd_eagle.schema import ConfigModel
 
 
 class RequestError(ValueError):
@@ -41,15 +41,11 @@ class RequestError(ValueError):
 
 
 # ---------------------------------------------------------------------------------------------------- requests
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
-
-
-class StreamOptions(_Strict):
+class StreamOptions(ConfigModel):
     include_usage: bool = False
 
 
-class TextContentPart(_Strict):
+class TextContentPart(ConfigModel):
     """One part of a message's ``content`` array; only ``{"type": "text", "text": ...}`` is supported."""
 
     type: Literal["text"]
@@ -63,7 +59,7 @@ class TextContentPart(_Strict):
         return data
 
 
-class ChatMessage(_Strict):
+class ChatMessage(ConfigModel):
     role: Literal["system", "developer", "user", "assistant"]
     content: str | list[TextContentPart]
     name: str | None = None
@@ -84,16 +80,16 @@ class ChatMessage(_Strict):
         return out
 
 
-class _SamplingRequest(_Strict):
+class _SamplingRequest(ConfigModel):
     """Fields shared by both endpoints."""
 
     model: str | None = None  # None: the served model (vLLM accepts that too)
-    max_tokens: int | None = Field(default=None, ge=1)
-    temperature: float | None = Field(default=None, ge=0.0)
-    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
-    top_k: int | None = Field(default=None, ge=-1)
-    seed: int | None = Field(default=None, ge=INT64_MIN, le=INT64_MAX)
-    stop: str | list[str] | None = None
+    max_tokens: MaxTokens | None = None
+    temperature: Temperature | None = None
+    top_p: TopP | None = None
+    top_k: TopK | None = None
+    seed: Seed | None = None
+    stop: Stop | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int = 1
@@ -103,17 +99,9 @@ class _SamplingRequest(_Strict):
     user: str | None = None  # an end-user id for the operator's logs; no effect on decoding
     # vLLM extras
     ignore_eos: bool = False
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: StopTokenIds | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
-
-    @field_validator("stop")
-    @classmethod
-    def _stop_strings(cls, value):
-        strings = [value] if isinstance(value, str) else value or []
-        if any(not s for s in strings):
-            raise ValueError("stop strings must not be empty")
-        return value
 
     def _check_common(self) -> None:
         unsupported = [
@@ -132,7 +120,8 @@ class _SamplingRequest(_Strict):
         """The engine's parameters; omitted fields take OpenAI's defaults (temperature 1, top_p 1).
 
         Raises:
-            RequestError: a value SamplingParams rejects (param = the field it names).
+            RequestError: a value SamplingParams rejects (param = the field it names); the request's own fields
+                are already checked against the same constraints, so only ``max_tokens`` can get here.
         """
         try:
             return SamplingParams(
@@ -141,16 +130,17 @@ class _SamplingRequest(_Strict):
                 stop=self.stop or [], stop_token_ids=self.stop_token_ids or [], ignore_eos=self.ignore_eos,
                 logprobs=logprobs, include_stop_str_in_output=self.include_stop_str_in_output,
                 skip_special_tokens=self.skip_special_tokens)
-        except ValueError as err:
-            field = str(err).split(" ", 1)[0]
-            raise RequestError(str(err), field if field in SamplingParams.__dataclass_fields__ else None) from err
+        except ValidationError as err:
+            first = err.errors(include_url=False)[0]
+            param = str(first["loc"][0]) if first["loc"] else None
+            raise RequestError(f"invalid value for '{param}': {first['msg']}", param) from err
 
 
 class CompletionRequest(_SamplingRequest):
     """``POST /v1/completions`` (OpenAI legacy completions). ``prompt`` is text or token ids (one prompt)."""
 
     prompt: str | list[int] | list[str] | list[list[int]]
-    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    logprobs: Logprobs | None = None
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
@@ -186,9 +176,9 @@ class ChatCompletionRequest(_SamplingRequest):
     """``POST /v1/chat/completions``. ``max_completion_tokens`` is OpenAI's newer name for ``max_tokens``."""
 
     messages: list[ChatMessage]
-    max_completion_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: MaxTokens | None = None
     logprobs: bool = False
-    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    top_logprobs: Logprobs | None = None
     response_format: dict | None = None
     tools: list | None = None
     tool_choice: str | dict | None = None

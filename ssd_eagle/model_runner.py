@@ -3,7 +3,7 @@
 The model is used as transformers builds it: its decoder body is called with our cache and a prepared 4-D mask,
 and its output embedding is applied only at the positions whose logits are needed (on SmolLM2 the output layer
 alone costs about as much as the whole body for one token). The EAGLE-3 aux hidden states are read with forward
-pre-hooks on the decoder layers, in the layer-id convention of ``NOTES.md`` section 2:
+pre-hooks on the decoder layers, in the layer-id convention of ``docs/design.md`` section 2:
 
     id i = the residual stream at the *input* of decoder layer i = ``hidden_states[i]`` of transformers'
     ``output_hidden_states`` (``hidden_states[0]`` is the embedding output, ``hidden_states[L]`` for an L-layer

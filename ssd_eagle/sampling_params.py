@@ -1,72 +1,77 @@
-"""Per-request sampling parameters, named as vLLM names them."""
+"""Per-request sampling parameters, named as vLLM names them, and their constraints as types
+(:mod:`inference.protocol` builds its request schemas from the same types)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from typing import Annotated
+
+from pydantic import AfterValidator, BeforeValidator, Field
+
+from ssd_eagle.schema import ConfigModel
+
+MAX_LOGPROBS = 20
 
 
-@dataclass
-class SamplingParams:
+def _as_list(value):
+    """One string, or a tuple, as a list."""
+    return [value] if isinstance(value, str) else list(value) if isinstance(value, tuple) else value
+
+
+def _no_empty_strings(strings: list[str]) -> list[str]:
+    if any(not s for s in strings):
+        raise ValueError("stop strings must not be empty")
+    return strings
+
+
+def _top_k_off(k: int) -> int:
+    return 0 if k == -1 else k
+
+
+MaxTokens = Annotated[int, Field(ge=1)]
+Temperature = Annotated[float, Field(ge=0.0, allow_inf_nan=False)]
+TopP = Annotated[float, Field(gt=0.0, le=1.0, allow_inf_nan=False)]
+TopK = Annotated[int, Field(ge=-1), AfterValidator(_top_k_off)]
+Seed = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]  # what torch.Generator.manual_seed takes
+Stop = Annotated[list[str], BeforeValidator(_as_list), AfterValidator(_no_empty_strings)]
+StopTokenIds = Annotated[list[Annotated[int, Field(ge=0)]], BeforeValidator(_as_list)]
+Logprobs = Annotated[int, Field(ge=0, le=MAX_LOGPROBS)]
+
+
+class SamplingParams(ConfigModel):
     """How one request is decoded. Field names and defaults follow ``vllm.SamplingParams``.
 
     Attributes:
         max_tokens: hard cap on generated tokens (>= 1), honoured even when a whole draft block is accepted.
         temperature: 0 means greedy (argmax); > 0 samples from ``softmax(logits / temperature)``.
         top_p: nucleus mass in (0, 1]; 1 disables it.
-        top_k: keep the k most likely tokens; 0 or -1 disables it.
-        seed: seeds the request's own random generator (reproducible sampling); None draws a fresh seed.
-        stop: strings that end generation; the stop string itself is not returned unless
+        top_k: keep the k most likely tokens; 0 or -1 disables it (-1 is stored as 0).
+        seed: seeds the request's own random generator (reproducible sampling, a signed 64-bit integer); None draws
+            a fresh seed.
+        stop: strings that end generation (one string or a list); the stop string itself is not returned unless
             ``include_stop_str_in_output``.
         stop_token_ids: extra token ids that end generation (besides the model's EOS ids).
         ignore_eos: keep generating past EOS tokens.
-        logprobs: number of top alternatives to return with each token's log-probability (None: no logprobs).
-            Log-probabilities are the target's, from its raw logits.
+        logprobs: number of top alternatives (0-20) to return with each token's log-probability (None: no
+            logprobs). Log-probabilities are the target's, from its raw logits.
         include_stop_str_in_output: keep the matched stop string in the text.
         skip_special_tokens: drop special tokens from the returned text.
 
     Raises:
-        ValueError: a field is out of range; the message names the field.
+        ValueError: an unknown field, a value of the wrong type or out of range (a number that is not finite
+            included); the message names the field.
     """
 
-    max_tokens: int = 16
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int | None = None
-    stop: list[str] = field(default_factory=list)
-    stop_token_ids: list[int] = field(default_factory=list)
+    max_tokens: MaxTokens = Field(16, description="hard cap on generated tokens")
+    temperature: Temperature = Field(1.0, description="0: greedy; > 0: sample from softmax(logits / temperature)")
+    top_p: TopP = Field(1.0, description="nucleus mass in (0, 1]; 1 disables it")
+    top_k: TopK = Field(0, description="keep the k most likely tokens; 0 or -1 disables it")
+    seed: Seed | None = Field(None, description="the request's own seed")
+    stop: Stop = Field(default_factory=list, description="stop string")
+    stop_token_ids: StopTokenIds = Field(default_factory=list)
     ignore_eos: bool = False
-    logprobs: int | None = None
+    logprobs: Logprobs | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
-
-    def __post_init__(self) -> None:
-        if isinstance(self.stop, str):
-            self.stop = [self.stop]
-        self.stop = list(self.stop or [])
-        self.stop_token_ids = list(self.stop_token_ids or [])
-        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        if not isinstance(self.temperature, (int, float)) or not self.temperature >= 0.0:
-            raise ValueError(f"temperature must be a number >= 0, got {self.temperature!r}")
-        if not isinstance(self.top_p, (int, float)) or not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < -1:
-            raise ValueError(f"top_k must be an integer >= -1 (0 or -1 disables it), got {self.top_k!r}")
-        if self.top_k == -1:
-            self.top_k = 0
-        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
-            raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
-        if any(not isinstance(s, str) or not s for s in self.stop):
-            raise ValueError(f"stop must be a non-empty string or a list of non-empty strings, got {self.stop!r}")
-        if any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
-            raise ValueError(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
-        if self.logprobs is not None and (
-            isinstance(self.logprobs, bool) or not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 20
-        ):
-            raise ValueError(f"logprobs must be an integer in [0, 20] or None, got {self.logprobs!r}")
-        self.temperature = float(self.temperature)
-        self.top_p = float(self.top_p)
 
     @property
     def greedy(self) -> bool:

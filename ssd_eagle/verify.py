@@ -1,9 +1,14 @@
-"""Verification of a chain of draft tokens: greedy acceptance and lossless rejection sampling.
+"""Verification of draft tokens, a chain or a tree: greedy acceptance and lossless rejection sampling.
 
-Pure functions over batched tensors. Row ``b`` proposes ``num_draft[b] <= K`` tokens ``d_1..d_{num_draft}``; the
-target scored ``[last, d_1, .., d_K]`` so ``p[b, i]`` is its distribution for the token after ``d_i`` (``d_0`` =
-the last committed token). Each function returns ``(k, bonus)``: the accepted length k (int64 [B]) and the
-bonus token (int64 [B]) the target emits after the k accepted tokens.
+Pure functions. **Chains** (:func:`greedy_verify`, :func:`rejection_verify`) work over batched tensors: row ``b``
+proposes ``num_draft[b] <= K`` tokens ``d_1..d_{num_draft}``; the target scored ``[last, d_1, .., d_K]`` so
+``p[b, i]`` is its distribution for the token after ``d_i`` (``d_0`` = the last committed token). They return
+``(k, bonus)``: the accepted length k (int64 [B]) and the bonus token (int64 [B]) the target emits after the k
+accepted tokens. **Trees** (:func:`tree_verify`) work on one row: the target scored the root and every node of the
+draft tree in one forward (tree attention mask), and the walk returns the accepted path of node indices and the
+bonus token. At each node it takes the target's token (the argmax at T = 0, a sample at T > 0), moves to the child
+carrying it, and stops with that token as the bonus when no child does, so every emitted token is the target's own
+(the tree's children are deterministic proposals, never tested against a q).
 
 Rejection sampling (Leviathan et al. 2023, Chen et al. 2023): accept ``d_i`` with probability
 ``min(1, p_i(d_i) / q_i(d_i))``; at the first rejection sample the bonus from the residual

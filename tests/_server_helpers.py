@@ -26,8 +26,8 @@ CHAT_TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{%
 
 
 def make_tokenizer() -> PreTrainedTokenizerFast:
-    """The byte-level test tokenizer of ``conftest`` with this module's chat template."""
-    from conftest import make_byte_tokenizer
+    """The byte-level test tokenizer of ``helpers`` with this module's chat template."""
+    from helpers import make_byte_tokenizer
 
     tok = make_byte_tokenizer()
     assert tok.eos_token_id == EOS_ID

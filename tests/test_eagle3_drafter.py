@@ -6,34 +6,21 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import make_tiny_llama
+from helpers import eagle3_head_for, make_tiny_llama, random_prompts, reference_greedy
 from ssd_eagle.drafters.eagle3 import Eagle3Drafter
 from ssd_eagle.engine.llm import LLM
 from ssd_eagle.engine.llm_engine import LLMEngine
 from ssd_eagle.kv_cache import ForwardBatch
 from ssd_eagle.model_runner import ModelRunner
-from ssd_eagle.models.eagle3 import Eagle3Config, Eagle3DraftModel
 from ssd_eagle.sampling_params import SamplingParams
-from test_engine import random_prompts, reference_greedy
 
 K = 4
-
-
-def make_head(target, draft_vocab: int = 200, seed: int = 0) -> Eagle3DraftModel:
-    cfg = Eagle3Config.from_target(target.config, draft_vocab_size=draft_vocab, torch_dtype="float64")
-    torch.manual_seed(seed)
-    head = Eagle3DraftModel(cfg).to(torch.float64)
-    head.init_weights(std=0.3)
-    used = torch.randperm(target.config.vocab_size, generator=torch.Generator().manual_seed(seed))[:draft_vocab]
-    head.set_vocab_mapping(*Eagle3DraftModel.build_vocab_mapping(used, target.config.vocab_size, draft_vocab))
-    head.set_embeddings(target.get_input_embeddings())
-    return head.eval()
 
 
 @pytest.mark.parametrize("tie", [False, True], ids=["untied", "tied"])
 def test_greedy_output_equals_target_greedy(tie, byte_tokenizer):
     target = make_tiny_llama(tie=tie, seed=4, num_layers=8)
-    drafter = Eagle3Drafter(make_head(target), num_slots=3, max_len=512)
+    drafter = Eagle3Drafter(eagle3_head_for(target), num_slots=3, max_len=512)
     engine = LLMEngine(target, byte_tokenizer, drafter, num_speculative_tokens=K, max_num_seqs=3, max_model_len=512)
     prompts = random_prompts(6, seed=2)
     outs = LLM(engine=engine).generate(prompts, SamplingParams(temperature=0.0, max_tokens=16))
@@ -63,7 +50,7 @@ def test_incremental_head_state_equals_fresh_computation(byte_tokenizer):
     """After rounds with every accepted length 0..K, drafting from the drafter's incremental cache gives the same
     drafts as a new drafter prefilled from scratch with the target's features of the committed text."""
     target = make_tiny_llama(seed=4, num_layers=8)
-    head = make_head(target, draft_vocab=257)
+    head = eagle3_head_for(target, draft_vocab=257)
     drafter = PartlyRightDrafter(target, head, num_slots=2, max_len=512)
     engine = LLMEngine(target, byte_tokenizer, drafter, num_speculative_tokens=K, max_num_seqs=2, max_model_len=512)
     engine.add_request("a", [3, 1, 4, 1, 5, 9, 2, 6], SamplingParams(temperature=0.0, max_tokens=100,
@@ -87,7 +74,7 @@ def test_head_that_mismatches_the_target_is_refused(tmp_path):
     from ssd_eagle.models.eagle3_formats import save_eagle3
 
     target = make_tiny_llama(seed=1)
-    save_eagle3(make_head(target), tmp_path / "head")
+    save_eagle3(eagle3_head_for(target), tmp_path / "head")
     other = make_tiny_llama(seed=1, max_positions=1024)
     with pytest.raises(ValueError, match="max_position_embeddings"):
         Eagle3Drafter.from_pretrained(str(tmp_path / "head"), other, 1, 512)

@@ -1,5 +1,5 @@
-"""EAGLE-3 checkpoint formats: our export (NOTES section 5), strict loading, public layouts, speculators, and the
-vLLM / SGLang weight-name maps."""
+"""EAGLE-3 checkpoint formats: our export (``docs/design.md`` section 5), strict loading, public layouts,
+speculators, and the vLLM / SGLang weight-name maps (``tests/engine_loaders.py``)."""
 
 import dataclasses
 import json
@@ -11,22 +11,24 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers import AutoConfig, LlamaConfig
 
-from ssd_eagle.models.eagle3 import Eagle3Config, Eagle3DraftModel, build_vocab_mapping
-from ssd_eagle.models.eagle3_formats import (
-    CONVENTION_KEY,
-    HEAD_TENSOR_NAMES,
+from engine_loaders import (
     from_sglang_names,
     from_vllm_names,
-    head_state_dict,
-    load_eagle3,
-    save_eagle3,
-    save_speculators,
     sglang_param_layout,
     sglang_route,
     to_sglang_names,
     to_vllm_names,
     vllm_param_layout,
     vllm_route,
+)
+from ssd_eagle.models.eagle3 import Eagle3Config, Eagle3DraftModel, build_vocab_mapping
+from ssd_eagle.models.eagle3_formats import (
+    CONVENTION_KEY,
+    HEAD_TENSOR_NAMES,
+    head_state_dict,
+    load_eagle3,
+    save_eagle3,
+    save_speculators,
 )
 
 VOCAB, DRAFT_VOCAB, H, H_TARGET = 50, 20, 32, 24
@@ -338,12 +340,17 @@ def check_layout(engine_state: dict, layout: dict, dtype):
         assert tensor.dtype == (want or dtype), name
 
 
-@pytest.mark.parametrize("with_embed", [False, True])
-def test_vllm_name_map_round_trip(with_embed):
+def head_and_state(with_embed: bool):
+    """A head (owning embeddings when ``with_embed``) and its checkpoint tensors."""
     model = make_head(target_hidden=H_TARGET)
     if with_embed:
         model.set_owned_embeddings(torch.randn(VOCAB, H, dtype=torch.float64))
-    ours = head_state_dict(model, include_embeddings=with_embed)
+    return model, head_state_dict(model, include_embeddings=with_embed)
+
+
+@pytest.mark.parametrize("with_embed", [False, True])
+def test_vllm_name_map_round_trip(with_embed):
+    model, ours = head_and_state(with_embed)
     engine = to_vllm_names(ours)
     layout = vllm_param_layout(model.config)
     check_layout(engine, layout, torch.float64)
@@ -360,10 +367,7 @@ def test_vllm_name_map_round_trip(with_embed):
 
 @pytest.mark.parametrize("with_embed", [False, True])
 def test_sglang_name_map_round_trip(with_embed):
-    model = make_head(target_hidden=H_TARGET)
-    if with_embed:
-        model.set_owned_embeddings(torch.randn(VOCAB, H, dtype=torch.float64))
-    ours = head_state_dict(model, include_embeddings=with_embed)
+    model, ours = head_and_state(with_embed)
     engine = to_sglang_names(ours)
     check_layout(engine, sglang_param_layout(model.config), torch.float64)
     assert engine["model.fc.weight"].shape == (H, 3 * H_TARGET)

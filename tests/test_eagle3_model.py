@@ -282,7 +282,7 @@ def test_from_target_copies_geometry_and_defaults():
     llama = cfg.to_llama_config()
     assert llama.num_hidden_layers == 1 and llama.tie_word_embeddings is False
     assert llama.rope_parameters["rope_type"] == "linear"
-    with pytest.raises(TypeError):
+    with pytest.raises(ValueError, match="no_such_field"):
         Eagle3Config.from_target(tc, DRAFT_VOCAB, no_such_field=1)
     with pytest.raises(ValueError):
         Eagle3Config.from_target(tc, VOCAB + 1)

@@ -3,13 +3,11 @@ stopping rules, batching, abort and seeded sampling."""
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 
-from conftest import EOS_ID, make_tiny_llama
-from ssd_eagle.drafters import DraftModelDrafter, NgramDrafter
+from helpers import make_drafter, make_tiny_llama, random_prompts, reference_greedy
+from ssd_eagle.drafters import NgramDrafter
 from ssd_eagle.engine.llm import LLM
 from ssd_eagle.engine.llm_engine import LLMEngine
 from ssd_eagle.kv_cache import ForwardBatch
@@ -17,49 +15,6 @@ from ssd_eagle.model_runner import ModelRunner
 from ssd_eagle.sampling_params import SamplingParams
 
 K = 4
-
-
-def reference_greedy(model, prompt: list[int], max_tokens: int, eos: set[int] = frozenset({EOS_ID})) -> list[int]:
-    """The target's own greedy decode, recomputed from scratch every token (no cache at all)."""
-    ids = list(prompt)
-    out = []
-    with torch.no_grad():
-        for _ in range(max_tokens):
-            token = int(model(torch.tensor([ids])).logits[0, -1].argmax())
-            ids.append(token)
-            out.append(token)
-            if token in eos:
-                break
-    return out
-
-
-def noisy_copy(model, scale: float, seed: int = 1):
-    """A draft that agrees with the target most of the time."""
-    draft = copy.deepcopy(model)
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in draft.parameters():
-            p.add_(torch.randn(p.shape, generator=g, dtype=p.dtype) * scale * p.std())
-    return draft
-
-
-def make_drafter(kind: str, target, num_slots: int = 4):
-    if kind == "ar":
-        return None
-    if kind == "ngram":
-        return NgramDrafter(1, 3)
-    scale = {"exact": 0.0, "noisy": 0.05}[kind]
-    return DraftModelDrafter(noisy_copy(target, scale), target.config.vocab_size, num_slots, 512)
-
-
-def random_prompts(n: int, seed: int) -> list[list[int]]:
-    g = torch.Generator().manual_seed(seed)
-    lengths = torch.randint(1, 41, (n,), generator=g).tolist()
-    prompts = [torch.randint(0, 256, (L,), generator=g).tolist() for L in lengths]
-    prompts[0] = [7]  # a one-token prompt
-    # repetitive prompts give the n-gram drafter something to find
-    prompts[1] = (prompts[1][:5] * 8)[:40]
-    return prompts
 
 
 @pytest.mark.parametrize("tie", [False, True], ids=["untied", "tied"])

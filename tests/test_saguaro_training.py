@@ -11,9 +11,9 @@ import torch
 from ssd_eagle.sampling import sample
 from ssd_eagle.ssd.fanout import nonstall_probability
 from ssd_eagle.verify import rejection_verify, saguaro_scale
-from test_train_draft import H, VOCAB, make_head
 from train.config import ConfigError, config_from_dict
 from train.ttt import SaguaroObjective, draft_targets, ttt_loss, ttt_unroll
+from train_helpers import H, VOCAB, make_head
 
 
 def _batch(head, seed=4, n=12):

@@ -302,6 +302,19 @@ def test_bad_chat_requests(client, body, status, param):
     error_of(client.post("/v1/chat/completions", json=body), status, param)
 
 
+@pytest.mark.parametrize("path, body", [
+    ("/v1/completions", '{"prompt": "x", "temperature": Infinity}'),
+    ("/v1/completions", '{"prompt": "x", "temperature": NaN}'),
+    ("/v1/completions", '{"prompt": "x", "top_p": NaN}'),
+    ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "x"}], "temperature": -Infinity}'),
+])
+def test_non_finite_numbers_are_refused(client, path, body):
+    """Python's JSON (and pydantic's) read Infinity and NaN; SamplingParams' constraints refuse them."""
+    param = "top_p" if "top_p" in body else "temperature"
+    error = error_of(client.post(path, content=body, headers={"content-type": "application/json"}), 400, param)
+    assert "finite" in error["message"] or "greater than" in error["message"]
+
+
 @pytest.mark.parametrize("raw,code", [(b"{bad json", "invalid_json"), (b"", "invalid_json"),
                                       (b'{"prompt": "\xff\xfe"}', "invalid_utf8"), (b"[1, 2]", "invalid_request_body"),
                                       (b'"text"', "invalid_request_body")])

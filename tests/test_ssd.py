@@ -3,22 +3,19 @@
 
 from __future__ import annotations
 
-import itertools
 import time
 
 import numpy as np
 import pytest
-import torch
-from scipy.stats import chisquare
 
-from conftest import make_tiny_llama
+from helpers import (LAW_TOKENS, LAW_VOCAB, exact_law, make_tiny_llama, noisy_copy, pooled_chisquare, random_prompts,
+                     reference_greedy)
 from ssd_eagle.config import EngineConfig, SpeculativeConfig
 from ssd_eagle.engine.llm import LLM
 from ssd_eagle.engine.llm_engine import LLMEngine
 from ssd_eagle.sampling_params import SamplingParams
 from ssd_eagle.ssd import build_ssd_drafter
 from ssd_eagle.ssd.speculator import SpecRequest
-from test_engine import noisy_copy, random_prompts, reference_greedy
 
 K = 4
 
@@ -80,35 +77,7 @@ def test_a_hit_requires_the_exact_outcome(byte_tokenizer):
 # ---------------------------------------------------------------------------------------------------------------
 # the output law at T > 0 on a 4-token vocabulary
 
-V, T_OUT, N_REQ = 4, 4, 4000
-
-
-def exact_law(target, prompt: list[int], temperature: float) -> np.ndarray:
-    """P(x_1..x_4 | prompt) under the target sampled at ``temperature``, for all 4^4 continuations."""
-    law = np.ones([V] * T_OUT)
-    seqs = list(itertools.product(range(V), repeat=T_OUT - 1))
-    ids = torch.tensor([prompt + list(s) for s in seqs])
-    with torch.no_grad():
-        probs = torch.softmax(target(ids).logits[:, len(prompt) - 1:] / temperature, dim=-1).numpy()
-    for row, s in enumerate(seqs):
-        for x4 in range(V):
-            full = (*s, x4)
-            p = 1.0
-            for j, tok in enumerate(full):
-                p *= probs[row, j, tok]
-            law[full] = p
-    return law.reshape(-1)
-
-
-def pooled_chisquare(counts: np.ndarray, law: np.ndarray) -> float:
-    """Chi-square p-value, pooling cells whose expected count is below 5 into one."""
-    expected = law / law.sum() * counts.sum()
-    small = expected < 5
-    obs = np.append(counts[~small], counts[small].sum())
-    exp = np.append(expected[~small], expected[small].sum())
-    if exp[-1] == 0:
-        obs, exp = obs[:-1], exp[:-1]
-    return chisquare(obs, exp).pvalue
+V, T_OUT, N_REQ = LAW_VOCAB, LAW_TOKENS, 4000
 
 
 @pytest.mark.parametrize("variant", [

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import make_tiny_llama
+from helpers import eagle3_head_for, make_tiny_llama, random_prompts, reference_greedy
 from ssd_eagle.config import EngineConfig, SpeculativeConfig
 from ssd_eagle.engine.llm import LLM
 from ssd_eagle.engine.llm_engine import LLMEngine
@@ -18,8 +18,6 @@ from ssd_eagle.sampling_params import SamplingParams
 from ssd_eagle.ssd import build_ssd_drafter
 from ssd_eagle.ssd.backends import Eagle3Backend
 from ssd_eagle.ssd.speculator import Speculator, SpecRequest
-from test_eagle3_drafter import make_head
-from test_engine import random_prompts, reference_greedy
 
 K = 3
 
@@ -37,7 +35,7 @@ def eagle_ssd_engine(target, head, tokenizer, tree: int = 0, fanout=(60,), max_n
 @pytest.fixture(scope="module")
 def target_and_head():
     target = make_tiny_llama(seed=4, num_layers=8, vocab_size=80, max_positions=256)
-    return target, make_head(target, draft_vocab=80)
+    return target, eagle3_head_for(target, draft_vocab=80)
 
 
 @pytest.mark.parametrize("tree", [0, 6], ids=["chain", "tree"])

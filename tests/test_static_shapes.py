@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import torch
 
-from conftest import make_tiny_llama
+from helpers import make_drafter, make_tiny_llama, random_prompts, reference_greedy
 from ssd_eagle.cuda_graphs import StaticForward, runner_forward_fn
 from ssd_eagle.engine.llm import LLM
 from ssd_eagle.engine.llm_engine import LLMEngine
 from ssd_eagle.kv_cache import ForwardBatch
 from ssd_eagle.model_runner import ModelRunner
 from ssd_eagle.sampling_params import SamplingParams
-from test_engine import make_drafter, random_prompts, reference_greedy
 
 
 def test_fixed_shape_forward_equals_dynamic_forward():

@@ -27,7 +27,7 @@ REPO = Path(__file__).resolve().parents[1]
 if __package__ in (None, "") and str(REPO) not in sys.path:  # run as a rank program
     sys.path.insert(0, str(REPO))
 
-from conftest import make_byte_tokenizer, make_tiny_llama  # noqa: E402
+from helpers import make_byte_tokenizer, make_tiny_llama  # noqa: E402
 
 PROMPTS = [[72, 101, 108, 108, 111], [84, 104, 101, 32, 113, 117, 105, 99, 107], [65, 66, 67]]
 MAX_TOKENS = [16, 24, 20]  # different lengths: the third request is admitted while others run

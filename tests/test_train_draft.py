@@ -15,10 +15,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 import yaml
-from torch import nn
-from transformers import LlamaConfig
 
-from conftest import make_byte_tokenizer, make_tiny_llama
+from helpers import make_tiny_llama
 from ssd_eagle.models.eagle3 import Eagle3Config, Eagle3DraftModel, build_vocab_mapping
 from train.config import ConfigError, config_from_dict, deepspeed_config, load_config, parse_args
 from train.ttt import (
@@ -32,72 +30,7 @@ from train.ttt import (
     ttt_loss,
     ttt_unroll,
 )
-
-REPO = Path(__file__).resolve().parents[1]
-VOCAB, DRAFT_VOCAB, H = 40, 16, 32
-WORDS = ["alpha", "beta", "gamma", "delta", "eps", "zeta", "eta", "theta"]
-EOS_TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}<eos>\n{% endfor %}"
-                "{% if add_generation_prompt %}<assistant>{% endif %}")
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# helpers shared with test_train_export.py
-
-def make_head(seed=0, num_layers=8, dtype=torch.float64, attn="sdpa") -> tuple[Eagle3DraftModel, nn.Embedding]:
-    """A random EAGLE-3 head (float64) over a 40-token target vocabulary, 16 draft tokens."""
-    torch.manual_seed(seed)
-    tc = LlamaConfig(hidden_size=H, num_attention_heads=4, num_key_value_heads=2, intermediate_size=64,
-                     num_hidden_layers=num_layers, vocab_size=VOCAB, max_position_embeddings=128, rope_theta=1e4)
-    head = Eagle3DraftModel(Eagle3Config.from_target(tc, DRAFT_VOCAB), attn_implementation=attn).to(dtype)
-    with torch.no_grad():
-        for p in head.parameters():
-            p.copy_(torch.randn_like(p) * 0.2 + (1.0 if p.dim() == 1 else 0.0))
-    head.set_vocab_mapping(*build_vocab_mapping(torch.randperm(VOCAB)[:DRAFT_VOCAB], VOCAB, DRAFT_VOCAB))
-    emb = nn.Embedding(VOCAB, H).to(dtype)
-    head.set_embeddings(emb)
-    return head, emb
-
-
-def write_tiny_setup(root: Path, num_convs: int = 48, seed: int = 0, num_layers: int = 8) -> dict:
-    """A tiny float32 Llama target with a byte-level tokenizer (chat turns closed by ``<eos>``), training and
-    held-out conversations. Returns the paths."""
-    root.mkdir(parents=True, exist_ok=True)
-    tok = make_byte_tokenizer()
-    tok.chat_template = EOS_TEMPLATE
-    model = make_tiny_llama(num_layers=num_layers, hidden_size=64, dtype=torch.float32, max_positions=512, seed=seed)
-    target = root / "target"
-    model.save_pretrained(target)
-    tok.save_pretrained(target)
-    rng = random.Random(seed)
-
-    def conv(prefix=""):
-        return {"messages": [
-            {"role": "user", "content": prefix + " ".join(rng.choice(WORDS) for _ in range(rng.randint(2, 5)))},
-            {"role": "assistant", "content": " ".join(rng.choice(WORDS) for _ in range(rng.randint(4, 10)))}]}
-    data, heldout = root / "data.jsonl", root / "heldout.jsonl"
-    data.write_text("".join(json.dumps(conv()) + "\n" for _ in range(num_convs)))
-    heldout.write_text("".join(json.dumps(conv("held ")) + "\n" for _ in range(3)))
-    return {"target": str(target), "data": str(data), "heldout": str(heldout), "root": root}
-
-
-def tiny_config(setup: dict, out: Path, **overrides) -> dict:
-    """Training config values for the tiny setup (online EAGLE-3, ZeRO-2)."""
-    values = dict(target=setup["target"], data=setup["data"], heldout_data=setup["heldout"], check_heldout=False,
-                  output_dir=str(out), draft_vocab_size=24, ttt_steps=3, max_length=128, lr=3e-3, warmup_steps=2,
-                  max_steps=6, save_every=3, eval_every=3, log_every=1, progress=False, heldout_samples=2,
-                  deepspeed_config=str(REPO / "configs" / "ds_zero2.json"))
-    values.update(overrides)
-    return values
-
-
-def run_trainer(**values):
-    """Build and run a :class:`train.train_draft.Trainer` in this process (one-rank gloo world)."""
-    from train.train_draft import Trainer, init_distributed
-
-    init_distributed()
-    trainer = Trainer(config_from_dict(values))
-    result = trainer.train()
-    return trainer, result
+from train_helpers import H, REPO, VOCAB, make_head, run_trainer, tiny_config, write_tiny_setup
 
 
 @pytest.fixture(scope="module")
@@ -367,11 +300,13 @@ def test_vocab_mapping_kept_on_resume(tiny_setup, tmp_path):
     other.write_text("".join(json.dumps({"messages": [{"role": "user", "content": "q"}, {
         "role": "assistant", "content": "ZYXWVU 0123456789 !?%$#@ " * 3}]}) + "\n" for _ in range(8)))
     from train.vocab import build_draft_vocab, count_token_frequencies
-    fresh_d2t, _ = build_draft_vocab(count_token_frequencies(list(trainer.token_rows()), 257, progress=False), 24)
+    fresh_d2t, _ = build_draft_vocab(count_token_frequencies(list(trainer.data.token_rows()), 257, progress=False),
+                                     24)
     assert torch.equal(fresh_d2t, saved_d2t)  # sanity: this is how the first run chose it
     resumed, _ = run_trainer(**tiny_config(tiny_setup, out, data=str(other), max_steps=3, save_every=3,
                                            eval_every=0))
-    other_d2t, _ = build_draft_vocab(count_token_frequencies(list(resumed.token_rows()), 257, progress=False), 24)
+    other_d2t, _ = build_draft_vocab(count_token_frequencies(list(resumed.data.token_rows()), 257, progress=False),
+                                     24)
     assert not torch.equal(other_d2t, saved_d2t)
     assert torch.equal(resumed.head.d2t, saved_d2t)
     assert resumed.state["step"] == 3
@@ -392,11 +327,12 @@ def test_aux_ids_fed_in_training_equal_serving(tiny_setup, tmp_path):
     target, tok = trainer.target, trainer.tokenizer
     drafter = Eagle3Drafter.from_pretrained(str(export), target, num_slots=2, max_len=128)
     engine = LLMEngine(target, tok, drafter, num_speculative_tokens=3, max_num_seqs=2)
-    assert trainer.extractor.aux_layer_ids == (1, 4, 6)
-    assert engine.target.aux_layer_ids == trainer.extractor.aux_layer_ids == tuple(trainer.head.config.aux_layer_ids)
+    assert trainer.data.extractor.aux_layer_ids == (1, 4, 6)
+    extractor = trainer.data.extractor
+    assert engine.target.aux_layer_ids == extractor.aux_layer_ids == tuple(trainer.head.config.aux_layer_ids)
     # the same tensors: the engine's runner, the trainer's extractor, and transformers' hidden_states[i]
     ids = list(range(40, 60))
-    feats = trainer.extractor([{"input_ids": ids, "loss_mask": [1] * len(ids)}])
+    feats = trainer.data.extractor([{"input_ids": ids, "loss_mask": [1] * len(ids)}])
     batch = ForwardBatch.causal([ids], [0], [0], engine.target.dtype, engine.target.device)
     served = engine.target.forward(batch, capture_aux=True, compute_logits=False).aux_hidden
     torch.testing.assert_close(feats.aux_hidden, served)
@@ -428,8 +364,8 @@ def test_offline_features_are_incremental_and_equal_online(tiny_setup, tmp_path)
     assert len(store) == len(lines) and [e["conv"] for e in store.samples] == keys
 
     trainer, result = run_trainer(**values)
-    assert trainer.extractor is None and result["step"] == 2 and result["loss"] == result["loss"]
-    assert trainer.heldout  # held-out features still come from the target
+    assert trainer.data.extractor is None and result["step"] == 2 and result["loss"] == result["loss"]
+    assert trainer.data.heldout  # held-out features still come from the target
     sample = store[3]
     ex = TargetFeatureExtractor(trainer.target, trainer.aux_layer_ids, 1, 128)
     ref = ex([{"input_ids": sample["input_ids"].tolist(), "loss_mask": sample["loss_mask"].tolist()}])
@@ -497,7 +433,7 @@ def _greedy_rows(target, tokenizer, drafter, prompts, k, max_tokens=40):
 
 def test_simulated_tau_equals_engine_tau_for_a_draft_lm(byte_tokenizer):
     from ssd_eagle.drafters import DraftModelDrafter
-    from test_engine import noisy_copy
+    from helpers import noisy_copy
 
     k = 4
     target = make_tiny_llama(num_layers=4, seed=2)

@@ -12,18 +12,13 @@ import yaml
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
-from conftest import make_byte_tokenizer
+from engine_loaders import from_sglang_names, from_vllm_names, to_sglang_names, to_vllm_names
+from helpers import make_byte_tokenizer
 from ssd_eagle.models.eagle3 import Eagle3Config, Eagle3DraftModel
-from ssd_eagle.models.eagle3_formats import (
-    from_sglang_names,
-    from_vllm_names,
-    load_eagle3,
-    to_sglang_names,
-    to_vllm_names,
-)
-from test_train_draft import REPO, make_head, run_trainer, tiny_config, write_tiny_setup
+from ssd_eagle.models.eagle3_formats import load_eagle3
 from train import checkpoint as ckpt
 from train.export import export_checkpoint, main as export_main, materialize
+from train_helpers import REPO, make_head, run_trainer, tiny_config, write_tiny_setup
 
 H = 32
 

@@ -7,15 +7,13 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import make_tiny_llama
+from helpers import LAW_VOCAB as V, exact_law, make_tiny_llama, pooled_chisquare, random_prompts, reference_greedy
 from ssd_eagle.drafters.base import Drafter, Proposal
 from ssd_eagle.engine.llm import LLM
 from ssd_eagle.engine.llm_engine import LLMEngine
 from ssd_eagle.kv_cache import ForwardBatch
 from ssd_eagle.model_runner import ModelRunner
 from ssd_eagle.sampling_params import SamplingParams
-from test_engine import random_prompts, reference_greedy
-from test_ssd import V, exact_law, pooled_chisquare
 
 PARENTS = [0, 0, 1, 1, 2, 3, 3, 5]  # root -> {1, 2}; 1 -> {3, 4}; 2 -> {5}; 3 -> {6, 7}; 5 -> {8}
 

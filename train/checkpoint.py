@@ -11,7 +11,7 @@
 
 A checkpoint is written under ``.tmp-step-...`` and renamed once complete, then ``latest`` is replaced; a crash
 leaves the previous checkpoint as the latest. ``draft/`` holds the EAGLE-3 head's tensors under the checkpoint
-names of ``NOTES.md`` section 5 (``d2t``/``t2d`` included, no embeddings), or the draft LM's trained tensors under
+names of ``docs/design.md`` section 5 (``d2t``/``t2d`` included, no embeddings), or the draft LM's trained tensors under
 ``LlamaForCausalLM`` names (no embedding/output layer: those are the frozen target's).
 """
 
@@ -24,6 +24,8 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
+
+from ssd_eagle.io import atomic_write, move_into_place
 
 CHECKPOINTS = "checkpoints"
 LATEST = "latest"
@@ -119,13 +121,9 @@ def commit_checkpoint(root: str | os.PathLike, tmp_tag: str, tag: str, keep: int
     """Rename ``root/tmp_tag`` to ``root/tag``, point ``latest`` at it (atomic replace), and delete all but the
     ``keep`` newest checkpoints and any stale temporary directory. Rank 0 only."""
     root = Path(root)
-    final = root / tag
-    if final.exists():
-        shutil.rmtree(final)
-    os.rename(root / tmp_tag, final)
-    tmp = root / f".{LATEST}.tmp"
-    tmp.write_text(tag + "\n")
-    os.replace(tmp, root / LATEST)
+    final = move_into_place(root / tmp_tag, root / tag)
+    with atomic_write(root / LATEST) as tmp:
+        tmp.write_text(tag + "\n")
     steps = sorted(p for p in root.iterdir() if p.is_dir() and p.name.startswith("step-"))
     for old in steps[:-keep]:
         shutil.rmtree(old, ignore_errors=True)

@@ -1,11 +1,12 @@
-"""The training configuration: one dataclass, read from YAML and overridden from the command line.
+"""The training configuration: one pydantic model, read from YAML and overridden from the command line.
 
     deepspeed --num_gpus 1 train/train_draft.py --config configs/smollm2-135m-eagle3.yaml --lr 3e-4 --max_steps 100
 
 Every key of the YAML file and every ``--key value`` (or ``--key=value``; dashes and underscores are the same)
 must name a field of :class:`TrainConfig`; anything else is an error that lists the close matches. Command-line
-values are parsed by the field's type (``--aux_layer_ids 2,15,27``, ``--resume false``, ``--max_steps none``).
-``--local_rank`` (added by the DeepSpeed launcher) is accepted and ignored; the rank comes from the environment.
+values are parsed by the field's type (``--aux_layer_ids 2,15,27``, ``--resume false``, ``--max_steps none``; see
+:mod:`ssd_eagle.schema`). ``--local_rank`` (added by the DeepSpeed launcher) is accepted and ignored; the rank
+comes from the environment.
 
 The DeepSpeed JSON named by ``deepspeed_config`` may hold ``"auto"`` values; :func:`deepspeed_config` fills them
 from this config (micro batch, accumulation, clipping, bf16) and refuses ``optimizer``/``scheduler`` sections
@@ -14,32 +15,29 @@ from this config (micro batch, accumulation, clipping, bf16) and refuses ``optim
 
 from __future__ import annotations
 
-import dataclasses
-import difflib
+import argparse
 import json
 import os
-import types
-import typing
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Literal
 
 import yaml
+from pydantic import Field, model_validator
 
 from ssd_eagle.assets import DEFAULT_MODEL
+from ssd_eagle.schema import (ConfigError, ConfigModel, add_flags, command_line_values, flags_for, load_yaml,
+                              unknown_key, validated)
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-DRAFT_KINDS = ("eagle3", "draft_lm")
-MODES = ("online", "offline")
-DTYPES = ("float32", "bfloat16", "float16")
+Dtype = Literal["float32", "bfloat16", "float16"]
+Positive = Annotated[int, Field(ge=1)]
+NonNegative = Annotated[int, Field(ge=0)]
+
+__all__ = ["ConfigError", "TrainConfig", "config_from_dict", "deepspeed_config", "load_config", "parse_args",
+           "resolve_path", "save_config", "zero_stage"]
 
 
-class ConfigError(ValueError):
-    """A configuration key or value that cannot be used."""
-
-
-@dataclass
-class TrainConfig:
+class TrainConfig(ConfigModel):
     """Everything a draft training run needs.
 
     What to train:
@@ -64,7 +62,7 @@ class TrainConfig:
 
     EAGLE-3:
         draft_vocab_size: rows of the head's ``lm_head`` (the most frequent loss-masked target tokens).
-        aux_layer_ids: input-of-layer ids (NOTES section 2); None: ``(2, L//2, L-3)``.
+        aux_layer_ids: input-of-layer ids (``docs/design.md`` section 2); None: ``(2, L//2, L-3)``.
         ttt_steps, ttt_decay: training-time-test unroll length and per-step loss weight ``decay**i``.
         saguaro_c: train a Saguaro-aware head for Saguaro sampling with this C in (0, 1] (None: plain head);
             saguaro_fanout: the F it is trained for (cached bonus candidates per position); saguaro_weight: weight
@@ -90,271 +88,130 @@ class TrainConfig:
         progress: show a tqdm bar on rank 0.
         attn_implementation: ``"sdpa"`` or ``"eager"`` for the draft.
         num_threads: torch intra-op threads per rank (None: torch's default).
+
+    Raises:
+        ValueError: an unknown key, a value of the wrong type or out of range, or a bad combination; the message
+            names the key (:class:`~ssd_eagle.schema.ConfigError` from the loaders below).
     """
 
-    draft: str = "eagle3"
+    draft: Literal["eagle3", "draft_lm"] = "eagle3"
     target: str = DEFAULT_MODEL
 
     data: str | None = None
     data_limit: int | None = None
     heldout_data: str | None = None
-    heldout_samples: int = 8
-    max_length: int = 2048
+    heldout_samples: NonNegative = 8
+    max_length: Positive = 2048
     check_heldout: bool = True
 
-    mode: str = "online"
+    mode: Literal["online", "offline"] = "online"
     features_dir: str | None = None
-    feature_dtype: str = "bfloat16"
+    feature_dtype: Dtype = "bfloat16"
 
-    draft_vocab_size: int = 32000
-    aux_layer_ids: list[int] | None = None
-    ttt_steps: int = 7
-    ttt_decay: float = 0.8
-    saguaro_c: float | None = None
-    saguaro_fanout: int = 3
-    saguaro_weight: float = 1.0
-    saguaro_temperature: float = 1.0
+    draft_vocab_size: Positive = 32000
+    aux_layer_ids: Annotated[list[int], Field(min_length=3, max_length=3)] | None = None
+    ttt_steps: Positive = 7
+    ttt_decay: float = Field(0.8, gt=0.0, le=1.0)
+    saguaro_c: float | None = Field(None, gt=0.0, le=1.0)
+    saguaro_fanout: NonNegative = 3
+    saguaro_weight: float = Field(1.0, ge=0.0)
+    saguaro_temperature: float = Field(1.0, gt=0.0)
 
-    draft_lm_layers: int = 2
+    draft_lm_layers: Positive = 2
 
-    lr: float = 1e-4
-    min_lr_ratio: float = 0.1
-    warmup_steps: int = 50
-    weight_decay: float = 0.0
+    lr: float = Field(1e-4, gt=0.0)
+    min_lr_ratio: float = Field(0.1, ge=0.0, le=1.0)
+    warmup_steps: NonNegative = 50
+    weight_decay: float = Field(0.0, ge=0.0)
     adam_beta1: float = 0.9
     adam_beta2: float = 0.95
-    grad_clip: float = 0.5
-    micro_batch_size: int = 1
-    grad_accum: int = 1
-    epochs: float = 1.0
-    max_steps: int | None = None
-    dtype: str = "float32"
+    grad_clip: float = Field(0.5, ge=0.0)
+    micro_batch_size: Positive = 1
+    grad_accum: Positive = 1
+    epochs: float = Field(1.0, gt=0.0)
+    max_steps: Positive | None = None
+    dtype: Dtype = "float32"
     seed: int = 0
 
     output_dir: str = "runs/draft"
     deepspeed_config: str = "configs/ds_zero2.json"
-    save_every: int = 500
-    keep_checkpoints: int = 2
-    eval_every: int = 200
-    log_every: int = 10
+    save_every: Positive = 500
+    keep_checkpoints: Positive = 2
+    eval_every: NonNegative = 200
+    log_every: Positive = 10
     resume: bool = True
     progress: bool = True
-    attn_implementation: str = "sdpa"
+    attn_implementation: Literal["sdpa", "eager"] = "sdpa"
     num_threads: int | None = None
 
-    extra: dict = field(default_factory=dict)  # free-form notes copied into checkpoints and model cards
+    extra: dict = Field(default_factory=dict)  # free-form notes copied into checkpoints and model cards
 
-    def __post_init__(self):
-        self.validate()
-
-    def validate(self) -> None:
-        """Check values that do not depend on the target.
-
-        Raises:
-            ConfigError: naming every bad field.
-        """
-        problems = []
-        if self.draft not in DRAFT_KINDS:
-            problems.append(f"draft must be one of {DRAFT_KINDS}, got {self.draft!r}")
-        if self.mode not in MODES:
-            problems.append(f"mode must be one of {MODES}, got {self.mode!r}")
+    @model_validator(mode="after")
+    def _check_combination(self) -> TrainConfig:
         if self.mode == "offline" and not self.features_dir:
-            problems.append("mode 'offline' needs features_dir (written by train/precompute_features.py)")
-        for name in ("dtype", "feature_dtype"):
-            if getattr(self, name) not in DTYPES:
-                problems.append(f"{name} must be one of {DTYPES}, got {getattr(self, name)!r}")
-        for name in ("max_length", "ttt_steps", "draft_vocab_size", "draft_lm_layers", "micro_batch_size",
-                     "grad_accum", "save_every", "keep_checkpoints", "log_every"):
-            if getattr(self, name) < 1:
-                problems.append(f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("warmup_steps", "eval_every", "heldout_samples"):
-            if getattr(self, name) < 0:
-                problems.append(f"{name} must be >= 0, got {getattr(self, name)}")
-        if self.max_steps is not None and self.max_steps < 1:
-            problems.append(f"max_steps must be >= 1 or None, got {self.max_steps}")
-        if self.epochs <= 0:
-            problems.append(f"epochs must be > 0, got {self.epochs}")
-        if not 0 < self.ttt_decay <= 1:
-            problems.append(f"ttt_decay must be in (0, 1], got {self.ttt_decay}")
-        if self.saguaro_c is not None:
-            if self.draft != "eagle3":
-                problems.append(f"saguaro_c (a Saguaro-aware objective) needs draft 'eagle3', got {self.draft!r}")
-            if not 0 < self.saguaro_c <= 1:
-                problems.append(f"saguaro_c must be in (0, 1] or None, got {self.saguaro_c}")
-            if self.saguaro_fanout < 0:
-                problems.append(f"saguaro_fanout must be >= 0, got {self.saguaro_fanout}")
-            if self.saguaro_weight < 0 or self.saguaro_temperature <= 0:
-                problems.append("saguaro_weight must be >= 0 and saguaro_temperature > 0, got "
-                                f"{self.saguaro_weight} and {self.saguaro_temperature}")
-        if not 0 <= self.min_lr_ratio <= 1:
-            problems.append(f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
-        if self.lr <= 0 or self.grad_clip < 0 or self.weight_decay < 0:
-            problems.append("lr must be > 0, grad_clip and weight_decay >= 0")
-        if self.aux_layer_ids is not None and len(self.aux_layer_ids) != 3:
-            problems.append(f"aux_layer_ids must hold 3 ids, got {self.aux_layer_ids}")
-        if self.attn_implementation not in ("sdpa", "eager"):
-            problems.append(f"attn_implementation must be 'sdpa' or 'eager', got {self.attn_implementation!r}")
-        if problems:
-            raise ConfigError("bad training config: " + "; ".join(problems))
+            raise ValueError("mode 'offline' needs features_dir (written by train/precompute_features.py)")
+        if self.saguaro_c is not None and self.draft != "eagle3":
+            raise ValueError(f"saguaro_c (a Saguaro-aware objective) needs draft 'eagle3', got {self.draft!r}")
+        return self
 
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        return self.model_dump()
 
 
 # ----------------------------------------------------------------------------------------------------------------
 # parsing
 
-_FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
-_HINTS = typing.get_type_hints(TrainConfig)
-_IGNORED_ARGS = {"local_rank"}
+FLAGS = flags_for(TrainConfig, both_spellings=True)
 
 
-def _unknown(key: str, where: str) -> ConfigError:
-    close = difflib.get_close_matches(key, list(_FIELDS), n=3)
-    hint = f" (did you mean {', '.join(close)}?)" if close else ""
-    return ConfigError(f"unknown config key {key!r} in {where}{hint}; known keys: {', '.join(sorted(_FIELDS))}")
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):
+        raise ConfigError(message)
 
 
-def _coerce(key: str, value: Any, hint=None) -> Any:
-    """Convert ``value`` (a YAML value or a command-line string) to the type of field ``key``."""
-    hint = _HINTS[key] if hint is None else hint
-    args = typing.get_args(hint)
-    if typing.get_origin(hint) in (typing.Union, types.UnionType):
-        if value is None or (isinstance(value, str) and value.strip().lower() in ("none", "null", "")):
-            if type(None) in args:
-                return None
-        inner = [a for a in args if a is not type(None)]
-        return _coerce(key, value, inner[0])
-    origin = typing.get_origin(hint)
-    try:
-        if hint is bool:
-            if isinstance(value, bool):
-                return value
-            text = str(value).strip().lower()
-            if text in ("1", "true", "yes", "on"):
-                return True
-            if text in ("0", "false", "no", "off"):
-                return False
-            raise ValueError(value)
-        if hint is int:
-            if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
-                raise ValueError(value)
-            return int(value) if not isinstance(value, str) else int(value.strip())
-        if hint is float:
-            if isinstance(value, bool):
-                raise ValueError(value)
-            return float(value)
-        if hint is str:
-            if not isinstance(value, (str, int, float)) or isinstance(value, bool):
-                raise ValueError(value)
-            return str(value)
-        if origin is list:
-            if isinstance(value, str):
-                text = value.strip()
-                value = yaml.safe_load(text) if text.startswith("[") else [v for v in text.split(",") if v.strip()]
-            if not isinstance(value, (list, tuple)):
-                raise ValueError(value)
-            return [_coerce(key, v, args[0]) for v in value]
-        if origin is dict or hint is dict:
-            if isinstance(value, str):
-                value = yaml.safe_load(value)
-            if not isinstance(value, dict):
-                raise ValueError(value)
-            return dict(value)
-    except (TypeError, ValueError):
-        raise ConfigError(f"config key {key!r} expects {hint}, got {value!r}") from None
-    raise ConfigError(f"config key {key!r} has an unsupported type {hint}")
+def _parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="train/train_draft.py", allow_abbrev=False, description=__doc__,
+                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", metavar="YAML", help="a YAML mapping of TrainConfig fields")
+    parser.add_argument("--local_rank", "--local-rank", help=argparse.SUPPRESS)  # set by the DeepSpeed launcher
+    add_flags(parser.add_argument_group("TrainConfig fields"), FLAGS)
+    return parser
 
 
 def config_from_dict(values: dict, where: str = "config", base: TrainConfig | None = None) -> TrainConfig:
-    """A :class:`TrainConfig` from ``base`` (default values when None) updated with ``values``.
+    """A :class:`TrainConfig` from ``base`` (default values when None) updated with ``values`` (keys with dashes
+    or underscores).
 
     Raises:
         ConfigError: an unknown key, a value of the wrong type, or an invalid combination.
     """
-    merged = dataclasses.asdict(base) if base is not None else {}
-    for key, value in values.items():
-        key = key.replace("-", "_")
-        if key not in _FIELDS:
-            raise _unknown(key, where)
-        merged[key] = _coerce(key, value)
-    return TrainConfig(**merged)
-
-
-def load_config(path: str | os.PathLike | None = None, overrides: list[str] | None = None) -> TrainConfig:
-    """Read a YAML config and apply ``--key value`` overrides.
-
-    Args:
-        path: a YAML mapping of :class:`TrainConfig` fields (None: defaults only).
-        overrides: command-line tokens, e.g. ``["--lr", "3e-4", "--resume=false"]``.
-
-    Raises:
-        ConfigError: unknown keys (file or command line), malformed overrides, bad values.
-        FileNotFoundError: no such YAML file.
-    """
-    values: dict = {}
-    if path is not None:
-        text = Path(path).read_text()
-        loaded = yaml.safe_load(text) or {}
-        if not isinstance(loaded, dict):
-            raise ConfigError(f"{path}: the YAML config must be a mapping of keys to values")
-        values.update(loaded)
-        where = str(path)
-        for key in loaded:
-            if key.replace("-", "_") not in _FIELDS:
-                raise _unknown(key, where)
-    values.update(parse_overrides(overrides or []))
-    return config_from_dict(values, "command line" if path is None else f"{path} / command line")
-
-
-def parse_overrides(tokens: list[str]) -> dict[str, str]:
-    """``["--a", "1", "--b=2"]`` -> ``{"a": "1", "b": "2"}`` (keys with ``_``); ``--local_rank`` is dropped.
-
-    Raises:
-        ConfigError: a token that is not ``--key``, a key without a value, or an unknown key.
-    """
-    out: dict[str, str] = {}
-    i = 0
-    while i < len(tokens):
-        token = tokens[i]
-        if not token.startswith("--") or len(token) == 2:
-            raise ConfigError(f"expected --key value on the command line, got {token!r}")
-        key, eq, value = token[2:].partition("=")
-        key = key.replace("-", "_")
-        if not eq:
-            if i + 1 >= len(tokens):
-                raise ConfigError(f"--{key} needs a value")
-            value = tokens[i + 1]
-            i += 1
-        i += 1
-        if key in _IGNORED_ARGS:
-            continue
-        if key not in _FIELDS:
-            raise _unknown(key, "command line")
-        out[key] = value
-    return out
+    merged = base.model_dump() if base is not None else {}
+    merged.update({str(key).replace("-", "_"): value for key, value in values.items()})
+    return validated(TrainConfig, merged, where)
 
 
 def parse_args(argv: list[str]) -> TrainConfig:
-    """``[--config PATH] [--key value ...]`` -> :class:`TrainConfig`."""
-    argv = list(argv)
-    path = None
-    rest = []
-    i = 0
-    while i < len(argv):
-        if argv[i] == "--config":
-            if i + 1 >= len(argv):
-                raise ConfigError("--config needs a path")
-            path = argv[i + 1]
-            i += 2
-            continue
-        if argv[i].startswith("--config="):
-            path = argv[i].split("=", 1)[1]
-            i += 1
-            continue
-        rest.append(argv[i])
-        i += 1
-    return load_config(path, rest)
+    """``[--config PATH] [--key value ...]`` -> :class:`TrainConfig` (command-line values over the file's).
+
+    Raises:
+        ConfigError: unknown keys (file or command line), malformed flags, bad values.
+        FileNotFoundError: no such YAML file.
+    """
+    namespace, unknown = _parser().parse_known_args(argv)
+    if unknown:
+        key = unknown[0].removeprefix("--").partition("=")[0].replace("-", "_")
+        if not unknown[0].startswith("--") or not key:
+            raise ConfigError(f"expected --key value on the command line, got {unknown[0]!r}")
+        raise ConfigError(unknown_key(key, TrainConfig.model_fields, "command line"))
+    values = {**(load_yaml(namespace.config) if namespace.config else {}), **command_line_values(FLAGS, namespace)}
+    where = "command line" if namespace.config is None else f"{namespace.config} / command line"
+    return config_from_dict(values, where)
+
+
+def load_config(path: str | os.PathLike | None = None, overrides: list[str] | None = None) -> TrainConfig:
+    """Read a YAML config and apply ``--key value`` overrides (:func:`parse_args` of ``--config path`` and
+    ``overrides``, e.g. ``["--lr", "3e-4", "--resume=false"]``)."""
+    return parse_args([*(["--config", os.fspath(path)] if path is not None else []), *(overrides or [])])
 
 
 def save_config(config: TrainConfig, path: str | os.PathLike) -> None:

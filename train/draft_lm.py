@@ -25,9 +25,6 @@ from __future__ import annotations
 import copy
 import json
 import os
-import shutil
-import tempfile
-import uuid
 from pathlib import Path
 
 import torch
@@ -35,6 +32,7 @@ from safetensors.torch import save_file
 from torch import nn
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
+from ssd_eagle.io import atomic_write
 from ssd_eagle.models.draft_lm import COMPACT_WEIGHTS, EMBED_NAME, HEAD_NAME, assemble_draft_lm, embedding_digest
 
 
@@ -160,30 +158,8 @@ def kl_loss(hidden: torch.Tensor, target_hidden: torch.Tensor, lm_head_weight: t
     return total / max(rows.numel(), 1), argmax.view(b, n), valid
 
 
-@torch.no_grad()
-def draft_lm_argmax(hidden: torch.Tensor, lm_head_weight: torch.Tensor, chunk: int = 512) -> torch.Tensor:
-    """Greedy predictions of the draft at every position: [B, n, H] -> int64 [B, n]."""
-    flat = hidden.reshape(-1, hidden.shape[-1]).float()
-    w = lm_head_weight.float()
-    out = torch.cat([(flat[i:i + chunk] @ w.T).argmax(-1) for i in range(0, flat.shape[0], chunk)])
-    return out.view(hidden.shape[:-1])
-
-
 # ----------------------------------------------------------------------------------------------------------------
 # export / import
-
-def _swap_in(tmp: Path, out: Path) -> None:
-    os.chmod(tmp, 0o755)
-    for path in tmp.rglob("*"):  # safetensors writes 0600 files; exports are meant to be shared
-        os.chmod(path, 0o755 if path.is_dir() else 0o644)
-    if out.exists():
-        old = out.parent / f".{out.name}.old-{uuid.uuid4().hex}"
-        os.rename(out, old)
-        os.rename(tmp, out)
-        shutil.rmtree(old)
-    else:
-        os.rename(tmp, out)
-
 
 def save_draft_lm(config: LlamaConfig, trained: dict[str, torch.Tensor], out_dir: str | os.PathLike, *,
                   target=None, target_name: str | None = None, compact: bool = False,
@@ -205,9 +181,7 @@ def save_draft_lm(config: LlamaConfig, trained: dict[str, torch.Tensor], out_dir
     if target is None:
         raise ValueError("exporting a draft LM needs the target (its embedding table)")
     out = Path(out_dir)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    try:
+    with atomic_write(out, folder=True) as tmp:
         if compact:
             cfg = copy.deepcopy(config)
             cfg.torch_dtype = str(dtype).removeprefix("torch.")
@@ -228,10 +202,6 @@ def save_draft_lm(config: LlamaConfig, trained: dict[str, torch.Tensor], out_dir
             tokenizer.save_pretrained(tmp)
         for name, text in (extra_files or {}).items():
             (tmp / name).write_text(text)
-        _swap_in(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out
 
 

@@ -25,12 +25,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
-import uuid
 from pathlib import Path
 
 import torch
 
+from ssd_eagle.io import atomic_write
 from train import checkpoint as ckpt
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -195,24 +194,6 @@ def model_card(kind: str, name: str, target: str, state: dict, train_cfg: dict, 
 # ----------------------------------------------------------------------------------------------------------------
 # export
 
-def _tmp_sibling(out: Path) -> Path:
-    out.parent.mkdir(parents=True, exist_ok=True)
-    return out.parent / f".{out.name}.export-{uuid.uuid4().hex}"
-
-
-def _swap_in(tmp: Path, out: Path) -> None:
-    os.chmod(tmp, 0o755)
-    for path in tmp.rglob("*"):  # safetensors writes 0600 files; exports are meant to be shared
-        os.chmod(path, 0o755 if path.is_dir() else 0o644)
-    if out.exists():
-        old = out.parent / f".{out.name}.old-{uuid.uuid4().hex}"
-        os.rename(out, old)
-        os.rename(tmp, out)
-        shutil.rmtree(old)
-    else:
-        os.rename(tmp, out)
-
-
 def export_checkpoint(checkpoint: str | os.PathLike, out_dir: str | os.PathLike, *, dtype: str = "bfloat16",
                       speculators: bool = False, compact: bool = False, target: str | None = None,
                       tau: float | None = None, name: str | None = None) -> Path:
@@ -253,8 +234,7 @@ def export_checkpoint(checkpoint: str | os.PathLike, out_dir: str | os.PathLike,
         path = resolve_model_path(target_name)
         target_config = AutoConfig.from_pretrained(path)
         head = load_eagle3_from_checkpoint(step_dir, target_config)
-        tmp = _tmp_sibling(out)
-        try:
+        with atomic_write(out, folder=True) as tmp:
             save_eagle3(head, tmp, dtype=torch_dtype)
             AutoTokenizer.from_pretrained(path).save_pretrained(tmp)
             if speculators:
@@ -263,10 +243,6 @@ def export_checkpoint(checkpoint: str | os.PathLike, out_dir: str | os.PathLike,
             (tmp / "README.md").write_text(model_card(
                 "eagle3", title, target_name, state, train_cfg, tau=tau, speculators=speculators, dtype=dtype,
                 aux_layer_ids=head.config.aux_layer_ids, draft_vocab_size=head.config.draft_vocab_size))
-            _swap_in(tmp, out)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
         return out
     from train.draft_lm import save_draft_lm
 
@@ -298,17 +274,12 @@ def materialize(compact_dir: str | os.PathLike, out_dir: str | os.PathLike, targ
     target_model, tokenizer = load_model(target)
     model = load_draft_lm(compact_dir, target_model, dtype=DTYPES[dtype])
     out = Path(out_dir)
-    tmp = _tmp_sibling(out)
-    try:
+    with atomic_write(out, folder=True) as tmp:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         card = compact_dir / "README.md"
         if card.is_file():
             (tmp / "README.md").write_text(card.read_text())
-        _swap_in(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out
 
 

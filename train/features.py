@@ -1,7 +1,7 @@
 """Target features for draft training: captured online through :class:`~ssd_eagle.model_runner.ModelRunner` (the
 code path serving uses) or precomputed once into safetensors shards (offline mode).
 
-Per token the trainer needs the target's aux hidden states (EAGLE-3 only; input-of-layer ids, ``NOTES.md``
+Per token the trainer needs the target's aux hidden states (EAGLE-3 only; input-of-layer ids, ``docs/design.md``
 section 2), its final-normed last hidden state (``p`` is recomputed from it through the frozen output layer: full
 logits would be ~200 KB a token) and its greedy next token (computed exactly, in float32, when the features are
 made, so storing the hidden states in 16 bits cannot move it).
@@ -31,6 +31,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
+from ssd_eagle.io import atomic_write
 from ssd_eagle.kv_cache import ForwardBatch
 from ssd_eagle.model_runner import ModelRunner
 
@@ -177,10 +178,8 @@ def write_feature_shards(samples: Iterable[dict], extractor: TargetFeatureExtrac
         if not shard:
             return
         name = f"{run}-rank{rank}-{shard_id:05d}.safetensors"
-        tmp = out / f".{name}.tmp"
-        save_file(shard, str(tmp))
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, out / name)
+        with atomic_write(out / name) as tmp:
+            save_file(shard, str(tmp))
         shard, shard_id = {}, shard_id + 1
 
     pending: list[dict] = []
@@ -213,9 +212,8 @@ def write_feature_shards(samples: Iterable[dict], extractor: TargetFeatureExtrac
         process(pending)
     flush()
     path = out / f"index-{run}-rank{rank}.json"
-    tmp = out / f".index-{run}-rank{rank}.json.tmp"
-    tmp.write_text(json.dumps(index))
-    os.replace(tmp, path)
+    with atomic_write(path) as tmp:
+        tmp.write_text(json.dumps(index))
     return path
 
 

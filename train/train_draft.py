@@ -4,9 +4,10 @@
 
 Runs unchanged on CPUs (gloo) and GPUs (nccl); plain ``python train/train_draft.py ...`` trains one process. The
 target is frozen and only runs forward, through :class:`~ssd_eagle.model_runner.ModelRunner` (online mode) or once
-beforehand (offline mode, ``train/precompute_features.py``). Each rank reads its shard of the data. Checkpoints
-(``train/checkpoint.py``) are written every ``save_every`` optimizer steps and at the end; a run resumes from the
-latest, with the draft vocabulary read from the checkpoint (never recounted).
+beforehand (offline mode, ``train/precompute_features.py``); each rank reads its shard of the data
+(:mod:`train.feature_source`). Checkpoints (``train/checkpoint.py``) are written every ``save_every`` optimizer
+steps and at the end; a run resumes from the latest, with the draft vocabulary read from the checkpoint (never
+recounted).
 
 Logged (tqdm bar and ``<output_dir>/metrics.jsonl``, rank 0): loss, per-TTT-step soft cross-entropy and top-1
 accuracy against the target's argmax, learning rate, gradient norm, tokens/s, and every ``eval_every`` steps the
@@ -19,9 +20,7 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import random
-import socket
 import sys
 import time
 from dataclasses import asdict
@@ -37,6 +36,8 @@ from tqdm.auto import tqdm
 
 from train import checkpoint as ckpt
 from train.config import TrainConfig, deepspeed_config, parse_args, save_config, zero_stage
+from train.distributed import accelerator_device, all_reduce, init_distributed
+from train.feature_source import load_feature_source
 from train.ttt import (
     AcceptanceStats,
     SaguaroObjective,
@@ -79,43 +80,6 @@ class DraftLMTrainable(nn.Module):
         from train.draft_lm import kl_loss
         hidden = self.body(inputs_embeds.to(self.body.model.norm.weight.dtype))
         return kl_loss(hidden, target_hidden, lm_head_weight, loss_mask)
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# distributed helpers
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def init_distributed() -> tuple[int, int]:
-    """Initialise torch.distributed through DeepSpeed (gloo without GPUs, nccl with). A plain ``python`` launch
-    becomes a one-process world. Returns ``(rank, world_size)``."""
-    import deepspeed
-
-    if "RANK" not in os.environ:
-        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-                          MASTER_PORT=os.environ.get("MASTER_PORT", str(_free_port())))
-    if not dist.is_initialized():
-        deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
-    return dist.get_rank(), dist.get_world_size()
-
-
-def _all_reduce(values: list[float] | torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
-    """Sum (or ``op``) a small vector over ranks; returned on the CPU in float64."""
-    t = torch.as_tensor(values, dtype=torch.float64).clone()
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        on_device = t.to(_device()) if dist.get_backend() == "nccl" else t
-        dist.all_reduce(on_device, op=op)
-        t = on_device.cpu()
-    return t
-
-
-def _device() -> torch.device:
-    from deepspeed.accelerator import get_accelerator
-    return torch.device(get_accelerator().current_device_name())
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -165,7 +129,7 @@ class Trainer:
 
         self.cfg = cfg
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
-        self.device = _device()
+        self.device = accelerator_device()
         if cfg.num_threads:
             torch.set_num_threads(cfg.num_threads)
         torch.manual_seed(cfg.seed)
@@ -196,7 +160,8 @@ class Trainer:
                 if saved != self.aux_layer_ids:
                     raise ValueError(f"checkpoint aux_layer_ids {saved} != config {self.aux_layer_ids}")
 
-        self._load_data()
+        self.data = load_feature_source(cfg, self.target, self.tokenizer, self.aux_layer_ids, self.rank, self.world,
+                                        self.device)
         self.module = self._build_draft()
         self._plan()
 
@@ -214,84 +179,6 @@ class Trainer:
             self._resume()
 
     # --- setup --------------------------------------------------------------------------------------------
-    def _load_data(self) -> None:
-        """This rank's training samples, global data stats, and the held-out set."""
-        cfg = self.cfg
-        self.extractor = None
-        if cfg.mode == "online":
-            from train.data import build_dataset, load_conversations
-            from train.features import TargetFeatureExtractor
-
-            if not cfg.data:
-                raise ValueError("online mode needs data (training conversations)")
-            convs = load_conversations(cfg.data, limit=cfg.data_limit)
-            dataset, stats = build_dataset([c["messages"] for c in convs], self.tokenizer,
-                                           max_length=cfg.max_length, rank=self.rank, world_size=self.world,
-                                           shuffle_seed=cfg.seed, check_heldout=cfg.check_heldout,
-                                           progress=cfg.progress and self.rank == 0)
-            self.samples = dataset
-            self.lengths = list(dataset["length"])
-            self.data_stats = {"source": cfg.data, **stats.as_dict()}
-            self.get_sample = lambda i: self.samples[i]
-            self.extractor = TargetFeatureExtractor(self.target, self.aux_layer_ids, cfg.micro_batch_size,
-                                                    cfg.max_length)
-            self.token_rows = lambda: ({"input_ids": r["input_ids"], "loss_mask": r["loss_mask"]}
-                                       for r in self.samples)
-        else:
-            from train.data import load_conversations
-            from train.features import FeatureStore, conversation_key
-
-            store = FeatureStore(cfg.features_dir)
-            if cfg.data:  # train on exactly the conversations of the data file, all of which must have features
-                keys = [conversation_key(c["messages"]) for c in load_conversations(cfg.data, limit=cfg.data_limit)]
-                missing = set(keys) - store.keys - store.dropped
-                if missing:
-                    raise ValueError(f"{len(missing)} of the {len(keys)} conversations of {cfg.data} have no features "
-                                     f"in {cfg.features_dir}: run train/precompute_features.py with this config")
-                store = FeatureStore(cfg.features_dir, only=keys)
-            meta = store.meta
-            want = list(self.aux_layer_ids) if self.aux_layer_ids else None
-            if want is not None and meta.get("aux_layer_ids") != want:
-                raise ValueError(f"{cfg.features_dir} holds aux states of layers {meta.get('aux_layer_ids')}, "
-                                 f"the head needs {want}; recompute the features")
-            if meta.get("target") not in (None, cfg.target):
-                raise ValueError(f"{cfg.features_dir} was made with target {meta.get('target')!r}, not "
-                                 f"{cfg.target!r}")
-            indices = list(range(len(store)))[: None if cfg.data else cfg.data_limit]
-            lo = self.rank * len(indices) // self.world
-            hi = (self.rank + 1) * len(indices) // self.world
-            mine = indices[lo:hi]
-            self.samples = store
-            self.lengths = [store.lengths[i] for i in mine]
-            self.get_sample = lambda i: store.get(mine[i])
-            self.token_rows = lambda: (store.get(i, with_hidden=False) for i in mine)
-            tokens = _all_reduce([sum(self.lengths)])
-            self.data_stats = {"source": cfg.data or meta.get("data", cfg.features_dir),  # the selected rows' file
-                               "features_dir": cfg.features_dir,
-                               "num_conversations": len(indices), "num_tokens": int(tokens[0]),
-                               "max_length": meta.get("max_length")}
-        if not self.lengths:
-            raise ValueError(f"rank {self.rank} has no training samples")
-        self.heldout = self._load_heldout()
-
-    def _load_heldout(self) -> list[dict]:
-        """Held-out samples with target features (computed once, through the same extractor path)."""
-        cfg = self.cfg
-        if not cfg.heldout_data or cfg.heldout_samples == 0:
-            return []
-        from train.data import build_dataset, load_conversations
-        from train.features import TargetFeatureExtractor
-
-        convs = load_conversations(cfg.heldout_data, limit=cfg.heldout_samples)
-        dataset, _ = build_dataset([c["messages"] for c in convs], self.tokenizer, max_length=cfg.max_length,
-                                   shuffle_seed=None, check_heldout=False, progress=False)
-        extractor = self.extractor or TargetFeatureExtractor(self.target, self.aux_layer_ids, 1, cfg.max_length)
-        out = []
-        for row in dataset:
-            feats = extractor([{"input_ids": row["input_ids"], "loss_mask": row["loss_mask"]}])
-            out.append({"batch": feats})
-        return out
-
     def _build_draft(self) -> nn.Module:
         cfg = self.cfg
         if cfg.draft == "eagle3":
@@ -307,13 +194,13 @@ class Trainer:
                 d2t, t2d = tensors["d2t"], tensors["t2d"]
             else:
                 vocab_size = self.target.config.get_text_config().vocab_size
-                counts = count_token_frequencies(self.token_rows(), vocab_size, progress=False)
-                counts = _all_reduce(counts.double()).long()  # every rank counts its shard; same vocab everywhere
+                counts = count_token_frequencies(self.data.token_rows(), vocab_size, progress=False)
+                counts = all_reduce(counts.double()).long()  # every rank counts its shard; same vocab everywhere
                 d2t, t2d = build_draft_vocab(counts, cfg.draft_vocab_size)
                 if self.rank == 0:
                     self.out.mkdir(parents=True, exist_ok=True)
                     save_token_counts(self.out / "token_counts.json", counts,
-                                      {"target": cfg.target, "data": str(self.data_stats.get("source")),
+                                      {"target": cfg.target, "data": str(self.data.stats.get("source")),
                                        "max_length": cfg.max_length})
                 config = Eagle3Config.from_target(self.target.config, cfg.draft_vocab_size, self.aux_layer_ids,
                                                   torch_dtype=cfg.dtype)
@@ -341,8 +228,8 @@ class Trainer:
 
     def _plan(self) -> None:
         cfg = self.cfg
-        per_epoch = len(epoch_batches(self.lengths, cfg.micro_batch_size, cfg.seed, 0))
-        per_epoch = int(_all_reduce([per_epoch], dist.ReduceOp.MIN)[0])  # every rank runs the same steps
+        per_epoch = len(epoch_batches(self.data.lengths, cfg.micro_batch_size, cfg.seed, 0))
+        per_epoch = int(all_reduce([per_epoch], dist.ReduceOp.MIN)[0])  # every rank runs the same steps
         if per_epoch == 0:
             raise ValueError(f"fewer samples per rank than micro_batch_size={cfg.micro_batch_size}")
         self.batches_per_epoch = per_epoch
@@ -368,15 +255,9 @@ class Trainer:
     def _micro_batch(self, micro_step: int) -> list[dict]:
         epoch, i = divmod(micro_step, self.batches_per_epoch)
         if epoch not in self._epoch_cache:
-            self._epoch_cache = {epoch: epoch_batches(self.lengths, self.cfg.micro_batch_size, self.cfg.seed,
+            self._epoch_cache = {epoch: epoch_batches(self.data.lengths, self.cfg.micro_batch_size, self.cfg.seed,
                                                       epoch)[: self.batches_per_epoch]}
-        return [self.get_sample(j) for j in self._epoch_cache[epoch][i]]
-
-    def _features(self, samples: list[dict]):
-        if self.extractor is not None:
-            return self.extractor(samples)
-        from train.features import collate_features
-        return collate_features(samples).to(self.device)
+        return [self.data.get_sample(j) for j in self._epoch_cache[epoch][i]]
 
     def _forward(self, batch, num_steps: int | None = None):
         """Run the engine on a :class:`~train.features.TargetBatch`. Returns ``(loss, step_loss [K], step_correct
@@ -399,25 +280,25 @@ class Trainer:
     @torch.no_grad()
     def evaluate_heldout(self) -> dict | None:
         """Teacher-forced tau on the held-out set (all ranks take part; samples are split between them)."""
-        if not self.heldout:
+        if not self.data.heldout:
             return None
         self.engine.eval()
         k = EVAL_NUM_DRAFT
-        per_rank = math.ceil(len(self.heldout) / self.world)
+        per_rank = math.ceil(len(self.data.heldout) / self.world)
         stats = AcceptanceStats(accepted_hist=[0] * (k + 1))
         correct = torch.zeros(k if self.cfg.draft == "eagle3" else 1, dtype=torch.float64)
         count = torch.zeros_like(correct)
         for j in range(per_rank):  # equal forward counts on every rank (ZeRO-3 gathers inside forwards)
             idx = self.rank * per_rank + j
-            real = idx < len(self.heldout)
-            batch = self.heldout[min(idx, len(self.heldout) - 1)]["batch"]
+            real = idx < len(self.data.heldout)
+            batch = self.data.heldout[min(idx, len(self.data.heldout) - 1)]["batch"]
             _, _, c, n, hits, _ = self._forward(batch, num_steps=k)
             if real:
                 stats.merge(simulate_acceptance(hits[0], batch.loss_mask[0], k))
                 correct += c.double().cpu()
                 count += n.double().cpu()
         self.engine.train()
-        totals = _all_reduce([stats.rounds, stats.emitted, *stats.accepted_hist, *correct.tolist(), *count.tolist()])
+        totals = all_reduce([stats.rounds, stats.emitted, *stats.accepted_hist, *correct.tolist(), *count.tolist()])
         rounds, emitted = totals[0].item(), totals[1].item()
         m = correct.numel()
         acc = (totals[3 + k:3 + k + m] / totals[3 + k + m:].clamp_min(1)).tolist()
@@ -458,7 +339,7 @@ class Trainer:
             step_dir = self.ckpt_root / tmp_tag
             extra = {"target": self.cfg.target, "aux_layer_ids_convention": "input_of_layer"}
             ckpt.write_draft_snapshot(step_dir, self.cfg.draft, self.draft_config_dict(), tensors, extra)
-            state = dict(self.state, data=self.data_stats, world_size=self.world,
+            state = dict(self.state, data=self.data.stats, world_size=self.world,
                          zero_stage=zero_stage(self.ds_config), total_steps=self.total_steps,
                          vocab_coverage=getattr(self, "vocab_coverage", self.state.get("vocab_coverage")))
             (step_dir / ckpt.TRAINER_STATE).write_text(json.dumps(state, indent=2) + "\n")
@@ -491,7 +372,7 @@ class Trainer:
         while self.state["micro_step"] < self.total_micro:
             t0 = time.perf_counter()
             samples = self._micro_batch(self.state["micro_step"])
-            batch = self._features(samples)
+            batch = self.data.features(samples)
             loss, step_loss, correct, count, _, nonstall = self._forward(batch)
             self.engine.backward(loss)
             self.engine.step()
@@ -512,10 +393,10 @@ class Trainer:
             bar.update(1)
             last = step == self.total_steps
             if step % cfg.log_every == 0 or last:
-                sums = _all_reduce([window["loss"], window["micro"], window["tokens"], *window["ce"].tolist(),
+                sums = all_reduce([window["loss"], window["micro"], window["tokens"], *window["ce"].tolist(),
                                     *window["correct"].tolist(), *window["count"].tolist(),
                                     *window["nonstall"].tolist()])
-                dt = float(_all_reduce([window["train_s"]], dist.ReduceOp.MAX)[0])
+                dt = float(all_reduce([window["train_s"]], dist.ReduceOp.MAX)[0])
                 ce, cor, cnt = sums[3:3 + k], sums[3 + k:3 + 2 * k], sums[3 + 2 * k:3 + 3 * k]
                 self.state["tokens"] += int(sums[2])
                 grad_norm = self.engine.get_global_grad_norm()

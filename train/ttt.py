@@ -2,7 +2,7 @@
 
 Coordinates (the same as serving, :mod:`ssd_eagle.drafters.eagle3`): position ``t`` of the head pairs the target
 feature ``f_t`` with the next token ``x_{t+1}`` and predicts ``x_{t+2}``. The target's next-token distribution at
-position ``s`` is ``p_s`` (it predicts ``x_{s+1}``). Unrolling ``K`` steps (``NOTES.md`` section 4):
+position ``s`` is ``p_s`` (it predicts ``x_{s+1}``). Unrolling ``K`` steps (``docs/design.md`` section 4):
 
     step 0:  h^0_t = head(x_{t+1}, fc(f_t)),      rotary position t,      predicts x_{t+2}, target p_{t+1}
     step i:  h^i_t = head(x_{t+1+i}, h^{i-1}_t),  rotary position t + i,  predicts x_{t+2+i}, target p_{t+1+i}
@@ -406,7 +406,7 @@ def simulate_acceptance(hits: torch.Tensor, loss_mask: torch.Tensor, num_draft: 
     the target's prefill, so the first round drafts after ``x_r`` (row ``t = r - 1`` of ``hits``). A round at row
     ``t`` accepts the leading run of hits (at most ``num_draft``), emits that plus the target's own token, capped by
     the tokens left in the span, and the next round starts after the last emitted token. Only emitted tokens are
-    counted (``NOTES.md`` section 7).
+    counted (``docs/design.md`` section 7).
 
     Args:
         hits: bool [n, K] (:func:`eagle3_hits` / :func:`draft_lm_hits` of one sequence), K >= ``num_draft``.

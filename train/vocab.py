@@ -1,4 +1,4 @@
-"""The draft vocabulary of an EAGLE-3 head, chosen from loss-masked token frequencies (``NOTES.md`` section 3).
+"""The draft vocabulary of an EAGLE-3 head, chosen from loss-masked token frequencies (``docs/design.md`` section 3).
 
 Only tokens at ``loss_mask == 1`` positions (the assistant tokens the draft learns to predict) are counted. The
 ``draft_vocab_size`` most frequent ids (ties: lower id first) become the draft vocabulary, sorted by id and padded
@@ -19,6 +19,8 @@ from typing import Any
 import numpy as np
 import torch
 from tqdm.auto import tqdm
+
+from ssd_eagle.io import atomic_write
 
 COUNTS_FORMAT = "ssd_eagle.token_counts/v1"
 
@@ -118,10 +120,8 @@ def save_token_counts(path: str | os.PathLike, counts: torch.Tensor,
     nz = torch.nonzero(counts).flatten()
     doc = {"format": COUNTS_FORMAT, "vocab_size": counts.numel(), "total": int(counts.sum()),
            "counts": [[int(i), int(counts[i])] for i in nz], "metadata": dict(metadata or {})}
-    tmp = f"{os.fspath(path)}.tmp"
-    with open(tmp, "w") as f:
+    with atomic_write(path) as tmp, open(tmp, "w") as f:
         json.dump(doc, f)
-    os.replace(tmp, path)
 
 
 def load_token_counts(path: str | os.PathLike) -> tuple[torch.Tensor, dict]:

@@ -1,8 +1,9 @@
 """The EAGLE-3 draft head (Li et al., "EAGLE-3: Scaling up Inference Acceleration of Large Language Models via
 Training-Time Test", arXiv 2503.01840), assembled from transformers' Llama modules (no modeling code copied).
 
-Per draft step (``NOTES.md`` section 1), with ``e = embed(token)`` from the target's frozen embeddings and ``h`` the
-fused target feature ``fc(concat(low, mid, high))`` on the first step, the head's own previous output afterwards::
+Per draft step (``docs/design.md`` section 1), with ``e = embed(token)`` from the target's frozen embeddings and
+``h`` the fused target feature ``fc(concat(low, mid, high))`` on the first step, the head's own previous output
+afterwards::
 
     x   = concat(input_layernorm(e), hidden_norm(h))          # [B, n, 2H]
     h'  = h + o_proj(attention(q/k/v_proj(x)))                 # residual is h, not the embedding
@@ -10,16 +11,15 @@ fused target feature ``fc(concat(low, mid, high))`` on the first step, the head'
     logits = lm_head(norm(out))                                # [B, n, draft_vocab]
 
 Draft id ``i`` is target id ``i + d2t[i]``; ``t2d[v]`` says whether target id ``v`` is in the draft vocabulary
-(``NOTES.md`` section 3). The aux layer ids use the input-of-layer convention of ``NOTES.md`` section 2, the same
-as :mod:`ssd_eagle.model_runner` and vLLM.
+(``docs/design.md`` section 3). The head's configuration is
+:class:`~ssd_eagle.models.eagle3_config.Eagle3Config`; its aux layer ids use the input-of-layer convention of
+``docs/design.md`` section 2, the same as :mod:`ssd_eagle.model_runner` and vLLM.
 """
 
 from __future__ import annotations
 
-import copy
 import math
 from collections.abc import Iterable
-from dataclasses import dataclass, field, fields
 
 import torch
 from torch import nn
@@ -31,213 +31,11 @@ from transformers.models.llama.modeling_llama import (
     LlamaRotaryEmbedding,
 )
 
-from ssd_eagle.model_runner import default_aux_layer_ids
+from ssd_eagle.models.eagle3_config import Eagle3Config
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# helpers on transformers configs
-
-def text_config(config):
-    """The text part of a (possibly multimodal) transformers config."""
-    return config.get_text_config() if hasattr(config, "get_text_config") else config
-
-
-def normalize_rope_parameters(rope: dict | None, rope_theta: float | None = None) -> dict:
-    """A comparable copy of a rope dict in transformers v5 form (``rope_type`` and ``rope_theta`` keys).
-
-    Accepts v5 ``rope_parameters`` or a legacy ``rope_scaling`` (whose ``type`` key becomes ``rope_type``) plus a
-    separate ``rope_theta``.
-    """
-    out = dict(rope or {})
-    if "type" in out:
-        out.setdefault("rope_type", out["type"])
-        del out["type"]
-    out.setdefault("rope_type", "default")
-    if "rope_theta" not in out:
-        out["rope_theta"] = float(rope_theta if rope_theta is not None else 10000.0)
-    return out
-
-
-def rope_parameters_of(config) -> dict:
-    """The rope settings of a transformers config, normalized (v5 ``rope_parameters`` or legacy fields).
-
-    Models with per-layer-type rope (v5 Gemma3: ``{"full_attention": {...}, "sliding_attention": {...}}``) give
-    the ``full_attention`` entry, the rope of their global-attention layers.
-    """
-    config = text_config(config)
-    rope = getattr(config, "rope_parameters", None)
-    if rope is None:
-        rope = getattr(config, "rope_scaling", None)
-    if rope and all(isinstance(v, dict) for v in rope.values()):
-        rope = rope.get("full_attention") or next(iter(rope.values()))
-    return normalize_rope_parameters(rope, getattr(config, "rope_theta", None))
-
-
-def _dtype_name(dtype) -> str:
-    if dtype is None:
-        return "float32"
-    return str(dtype).removeprefix("torch.")
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# config
-
-@dataclass
-class Eagle3Config:
-    """Geometry and metadata of an EAGLE-3 head.
-
-    Attributes:
-        hidden_size, intermediate_size, num_attention_heads, num_key_value_heads, head_dim, rms_norm_eps,
-        hidden_act: the midlayer's Llama geometry (copied from the target by :meth:`from_target`).
-        max_position_embeddings, rope_parameters: must equal the target's (transformers v5 ``rope_parameters``
-            dict, with ``rope_type`` and ``rope_theta``).
-        vocab_size: the target vocabulary (length of ``t2d``, of the shared embeddings).
-        draft_vocab_size: rows of ``lm_head`` (length of ``d2t``).
-        target_hidden_size: H_target; ``fc`` maps ``3 * target_hidden_size -> hidden_size``.
-        aux_layer_ids: (low, mid, high) target layers whose *input* residual stream is captured (NOTES section 2).
-        attention_bias, mlp_bias: Llama options (False for every public EAGLE-3 head).
-        torch_dtype: dtype name of the weights ("float32", "bfloat16", ...).
-        saguaro_c, saguaro_fanout: the Saguaro (C, F) the head was trained for, when it was (issue 7).
-        extra: free-form metadata saved with the checkpoint.
-    """
-
-    hidden_size: int
-    intermediate_size: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    rms_norm_eps: float
-    hidden_act: str
-    max_position_embeddings: int
-    rope_parameters: dict
-    vocab_size: int
-    draft_vocab_size: int
-    target_hidden_size: int
-    aux_layer_ids: tuple[int, int, int]
-    attention_bias: bool = False
-    mlp_bias: bool = False
-    torch_dtype: str = "float32"
-    saguaro_c: float | None = None
-    saguaro_fanout: int | None = None
-    extra: dict = field(default_factory=dict)
-
-    def __post_init__(self):
-        self.aux_layer_ids = tuple(int(i) for i in self.aux_layer_ids)
-        if len(self.aux_layer_ids) != 3:
-            raise ValueError(f"aux_layer_ids must hold 3 ids (low, mid, high), got {list(self.aux_layer_ids)}")
-        self.rope_parameters = normalize_rope_parameters(self.rope_parameters)
-        self.torch_dtype = _dtype_name(self.torch_dtype)
-        if not isinstance(getattr(torch, self.torch_dtype, None), torch.dtype):
-            raise ValueError(f"torch_dtype {self.torch_dtype!r} is not a torch dtype")
-        if not 0 < self.draft_vocab_size <= self.vocab_size:
-            raise ValueError(f"draft_vocab_size must be in [1, vocab_size={self.vocab_size}], "
-                             f"got {self.draft_vocab_size}")
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return getattr(torch, self.torch_dtype)
-
-    @classmethod
-    def from_target(cls, target_config, draft_vocab_size: int, aux_layer_ids: Iterable[int] | None = None,
-                    **overrides) -> Eagle3Config:
-        """Copy the midlayer geometry, rope settings and max positions from the target's transformers config.
-
-        Args:
-            target_config: the target's ``PretrainedConfig`` (a multimodal one is reduced to its text config).
-            draft_vocab_size: rows of ``lm_head`` (<= the target vocabulary).
-            aux_layer_ids: input-of-layer ids; default :func:`ssd_eagle.model_runner.default_aux_layer_ids`.
-            overrides: any other field (e.g. ``intermediate_size``, ``torch_dtype``, ``saguaro_c``).
-        """
-        t = text_config(target_config)
-        ids = tuple(aux_layer_ids) if aux_layer_ids is not None else default_aux_layer_ids(t.num_hidden_layers)
-        head_dim = getattr(t, "head_dim", None) or t.hidden_size // t.num_attention_heads
-        values = dict(
-            hidden_size=t.hidden_size,
-            intermediate_size=t.intermediate_size,
-            num_attention_heads=t.num_attention_heads,
-            num_key_value_heads=getattr(t, "num_key_value_heads", None) or t.num_attention_heads,
-            head_dim=head_dim,
-            rms_norm_eps=t.rms_norm_eps,
-            hidden_act=getattr(t, "hidden_act", None) or getattr(t, "hidden_activation", None) or "silu",
-            max_position_embeddings=t.max_position_embeddings,
-            rope_parameters=rope_parameters_of(t),
-            vocab_size=t.vocab_size,
-            draft_vocab_size=draft_vocab_size,
-            target_hidden_size=t.hidden_size,
-            aux_layer_ids=ids,
-            torch_dtype=_dtype_name(getattr(t, "dtype", None)),
-        )
-        unknown = set(overrides) - {f.name for f in fields(cls)}
-        if unknown:
-            raise TypeError(f"unknown Eagle3Config fields: {sorted(unknown)}")
-        values.update(overrides)
-        return cls(**values)
-
-    def saguaro_mismatch(self, c: float, fanouts: Iterable[int]) -> str | None:
-        """Why serving with Saguaro ``c`` and the fan-outs ``fanouts`` of the drafted positions differs from the
-        (C, F) this head was trained for (issue 7), or None when it matches or the head is a plain one. ``c = 1`` is
-        "no Saguaro"."""
-        if self.saguaro_c is None:
-            return None
-        served = sorted(set(int(f) for f in fanouts))
-        if abs(float(c) - self.saguaro_c) < 1e-9 and served == [self.saguaro_fanout]:
-            return None
-        return (f"this EAGLE-3 head was trained for Saguaro sampling with C={self.saguaro_c}, F={self.saguaro_fanout} "
-                f"but is served with C={c}, F={served}: its acceptance and cache hits will differ from training")
-
-    def to_llama_config(self) -> LlamaConfig:
-        """A one-layer transformers ``LlamaConfig`` with this geometry (used to build the reused modules)."""
-        return LlamaConfig(
-            vocab_size=self.vocab_size,
-            hidden_size=self.hidden_size,
-            intermediate_size=self.intermediate_size,
-            num_hidden_layers=1,
-            num_attention_heads=self.num_attention_heads,
-            num_key_value_heads=self.num_key_value_heads,
-            head_dim=self.head_dim,
-            hidden_act=self.hidden_act,
-            max_position_embeddings=self.max_position_embeddings,
-            rms_norm_eps=self.rms_norm_eps,
-            rope_parameters=copy.deepcopy(self.rope_parameters),
-            attention_bias=self.attention_bias,
-            mlp_bias=self.mlp_bias,
-            tie_word_embeddings=False,
-        )
-
-    def validate_against_target(self, target_config) -> None:
-        """Check that this head fits the target.
-
-        Raises:
-            ValueError: naming every mismatched field: ``vocab_size``, ``target_hidden_size``, ``hidden_size`` (the
-                embeddings are the target's), ``rope_parameters``, ``max_position_embeddings``, ``aux_layer_ids``
-                (out of ``[0, L]`` or not distinct).
-        """
-        t = text_config(target_config)
-        problems = []
-        if self.vocab_size != t.vocab_size:
-            problems.append(f"vocab_size: draft {self.vocab_size} != target {t.vocab_size}")
-        if self.target_hidden_size != t.hidden_size:
-            problems.append(f"target_hidden_size: draft {self.target_hidden_size} != target {t.hidden_size}")
-        if self.hidden_size != t.hidden_size:
-            problems.append(f"hidden_size: draft {self.hidden_size} != target {t.hidden_size} "
-                            "(the draft shares the target's token embeddings)")
-        target_rope = rope_parameters_of(t)
-        if normalize_rope_parameters(self.rope_parameters) != target_rope:
-            problems.append(f"rope_parameters: draft {self.rope_parameters} != target {target_rope}")
-        if self.max_position_embeddings != t.max_position_embeddings:
-            problems.append(f"max_position_embeddings: draft {self.max_position_embeddings} "
-                            f"!= target {t.max_position_embeddings}")
-        num_layers = t.num_hidden_layers
-        ids = list(self.aux_layer_ids)
-        if len(set(ids)) != len(ids) or min(ids) < 0 or max(ids) > num_layers:
-            problems.append(f"aux_layer_ids: {ids} must be distinct and in [0, {num_layers}] "
-                            f"(input-of-layer convention, {num_layers}-layer target)")
-        if problems:
-            raise ValueError("EAGLE-3 head does not match the target: " + "; ".join(problems))
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# vocabulary mapping (NOTES section 3)
+# vocabulary mapping (``docs/design.md`` section 3)
 
 def build_vocab_mapping(used_target_ids: Iterable[int] | torch.Tensor, vocab_size: int,
                         draft_vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -282,7 +80,7 @@ def build_vocab_mapping(used_target_ids: Iterable[int] | torch.Tensor, vocab_siz
 def check_vocab_mapping(d2t: torch.Tensor, t2d: torch.Tensor, vocab_size: int) -> None:
     """Validate a (d2t, t2d) pair: int64/bool, draft ids map injectively into [0, V) and t2d marks exactly them.
 
-    Catches the reported failure modes of NOTES section 7 (zeroed or regenerated tensors that disagree).
+    Catches the reported failure modes of ``docs/design.md`` section 7 (zeroed or regenerated tensors that disagree).
 
     Raises:
         ValueError: describing the first inconsistency.

@@ -1,5 +1,6 @@
-"""Checkpoint formats of the EAGLE-3 head: our export (``NOTES.md`` section 5, the layout vLLM and SGLang load),
-vLLM's speculators format, import of the public layouts, and the engines' weight-name maps.
+"""Checkpoint formats of the EAGLE-3 head: our export (``docs/design.md`` section 5, the layout vLLM and SGLang load),
+vLLM's speculators format, and import of the public layouts. (What vLLM's and SGLang's loaders make of our export
+is simulated for the tests in ``tests/engine_loaders.py``.)
 
 Layouts read by :func:`load_eagle3` (public code checked, see each function):
 
@@ -24,9 +25,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import tempfile
-import uuid
 import warnings
 from pathlib import Path
 
@@ -34,14 +32,10 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import LlamaConfig
 
+from ssd_eagle.io import atomic_write
 from ssd_eagle.model_runner import default_aux_layer_ids
-from ssd_eagle.models.eagle3 import (
-    Eagle3Config,
-    Eagle3DraftModel,
-    check_vocab_mapping,
-    normalize_rope_parameters,
-    text_config,
-)
+from ssd_eagle.models.eagle3 import Eagle3DraftModel, check_vocab_mapping
+from ssd_eagle.models.eagle3_config import LLAMA_FIELDS, Eagle3Config, normalize_rope_parameters, text_config
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
@@ -62,9 +56,7 @@ HEAD_TENSOR_NAMES = (
 )
 EMBED_NAME = "embed_tokens.weight"
 
-_LLAMA_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
-               "head_dim", "hidden_act", "max_position_embeddings", "rms_norm_eps", "rope_parameters", "rope_theta",
-               "rope_scaling", "attention_bias", "mlp_bias")
+_LLAMA_KEYS = LLAMA_FIELDS + ("rope_parameters", "rope_theta", "rope_scaling")  # what a config.json may give
 _REQUIRED_LLAMA_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_attention_heads")
 
 
@@ -73,7 +65,7 @@ _REQUIRED_LLAMA_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_a
 
 def head_state_dict(model: Eagle3DraftModel, dtype: torch.dtype | None = None,
                     include_embeddings: bool = False) -> dict[str, torch.Tensor]:
-    """The head's tensors under checkpoint names (NOTES section 5), on CPU, contiguous and unshared.
+    """The head's tensors under checkpoint names (``docs/design.md`` section 5), on CPU, contiguous and unshared.
 
     Floating tensors are cast to ``dtype`` when given; ``d2t`` stays int64 and ``t2d`` bool. The owned
     ``embed_tokens.weight`` is included only with ``include_embeddings`` (engines share the target's).
@@ -105,20 +97,10 @@ def _llama_fields(config: Eagle3Config, dtype_name: str) -> dict:
     return {
         "model_type": "llama",
         "num_hidden_layers": 1,
-        "hidden_size": config.hidden_size,
-        "intermediate_size": config.intermediate_size,
-        "num_attention_heads": config.num_attention_heads,
-        "num_key_value_heads": config.num_key_value_heads,
-        "head_dim": config.head_dim,
-        "hidden_act": config.hidden_act,
-        "rms_norm_eps": config.rms_norm_eps,
-        "max_position_embeddings": config.max_position_embeddings,
+        **{name: getattr(config, name) for name in LLAMA_FIELDS},
         "rope_parameters": dict(config.rope_parameters),
         "rope_theta": theta,
         "rope_scaling": scaling,
-        "vocab_size": config.vocab_size,
-        "attention_bias": config.attention_bias,
-        "mlp_bias": config.mlp_bias,
         "tie_word_embeddings": False,
         "torch_dtype": dtype_name,
     }
@@ -130,8 +112,8 @@ def _ssd_block(config: Eagle3Config) -> dict:
 
 
 def eagle3_config_dict(config: Eagle3Config, dtype_name: str | None = None) -> dict:
-    """The ``config.json`` of our export (NOTES section 5): what vLLM's ``Eagle3LlamaForCausalLM`` and SGLang's
-    ``LlamaForCausalLMEagle3`` read, plus the rope settings in both v5 and legacy keys, the declared aux-id
+    """The ``config.json`` of our export (``docs/design.md`` section 5): what vLLM's ``Eagle3LlamaForCausalLM`` and
+    SGLang's ``LlamaForCausalLMEagle3`` read, plus the rope settings in both v5 and legacy keys, the declared aux-id
     convention and an ``ssd_eagle`` block (Saguaro settings, free metadata) that engines ignore."""
     out = {"architectures": ["LlamaForCausalLMEagle3"]}
     out.update(_llama_fields(config, dtype_name or config.torch_dtype))
@@ -146,29 +128,15 @@ def eagle3_config_dict(config: Eagle3Config, dtype_name: str | None = None) -> d
     return out
 
 
-def _write_atomically(out_dir: str | os.PathLike, files: dict[str, object]) -> Path:
-    """Write ``files`` (name -> JSON dict or tensor dict) into a fresh temp dir, then swap it in for ``out_dir``."""
-    out = Path(out_dir)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    try:
+def _write_folder(out_dir: str | os.PathLike, files: dict[str, object]) -> Path:
+    """Write ``files`` (name -> JSON dict or tensor dict) as the folder ``out_dir``, atomically (replaced)."""
+    with atomic_write(out_dir, folder=True) as tmp:
         for name, payload in files.items():
             if name.endswith(".json"):
                 (tmp / name).write_text(json.dumps(payload, indent=2) + "\n")
             else:
                 save_file(payload, str(tmp / name), metadata={"format": "pt"})
-        os.chmod(tmp, 0o755)
-        if out.exists():
-            old = out.parent / f".{out.name}.old-{uuid.uuid4().hex}"
-            os.rename(out, old)
-            os.rename(tmp, out)
-            shutil.rmtree(old)
-        else:
-            os.rename(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return out
+    return Path(out_dir)
 
 
 def _dtype_of(tensors: dict[str, torch.Tensor], fallback: str) -> str:
@@ -178,7 +146,8 @@ def _dtype_of(tensors: dict[str, torch.Tensor], fallback: str) -> str:
 
 def save_eagle3(model: Eagle3DraftModel, out_dir: str | os.PathLike, dtype: torch.dtype | None = None,
                 include_embeddings: bool = False) -> Path:
-    """Export the head in the layout vLLM and SGLang load (NOTES section 5), atomically (temp dir + rename).
+    """Export the head in the layout vLLM and SGLang load (``docs/design.md`` section 5), atomically
+    (:func:`ssd_eagle.io.atomic_write`).
 
     Writes ``config.json`` (:func:`eagle3_config_dict`, ``tie_word_embeddings`` always false, ``torch_dtype`` =
     the written dtype) and ``model.safetensors`` (:func:`head_state_dict`: ``midlayer.*``, ``fc.weight``
@@ -194,7 +163,7 @@ def save_eagle3(model: Eagle3DraftModel, out_dir: str | os.PathLike, dtype: torc
     """
     tensors = head_state_dict(model, dtype, include_embeddings)
     config = eagle3_config_dict(model.config, _dtype_of(tensors, model.config.torch_dtype))
-    return _write_atomically(out_dir, {CONFIG_NAME: config, WEIGHTS_NAME: tensors})
+    return _write_folder(out_dir, {CONFIG_NAME: config, WEIGHTS_NAME: tensors})
 
 
 def speculators_config_dict(config: Eagle3Config, dtype_name: str | None = None,
@@ -233,7 +202,7 @@ def speculators_config_dict(config: Eagle3Config, dtype_name: str | None = None,
 def save_speculators(model: Eagle3DraftModel, out_dir: str | os.PathLike, dtype: torch.dtype | None = None,
                      verifier_name_or_path: str | None = None, verifier_architectures: list[str] | None = None,
                      speculative_tokens: int = 7, include_embeddings: bool = False) -> Path:
-    """Export in vLLM's speculators format (second export target, NOTES section 5), atomically.
+    """Export in vLLM's speculators format (second export target, ``docs/design.md`` section 5), atomically.
 
     Weights as :func:`save_eagle3` but with ``layers.0.*`` instead of ``midlayer.*`` (``Eagle3Speculator``
     naming); config from :func:`speculators_config_dict`.
@@ -241,7 +210,7 @@ def save_speculators(model: Eagle3DraftModel, out_dir: str | os.PathLike, dtype:
     tensors = {_to_speculators_name(k): v for k, v in head_state_dict(model, dtype, include_embeddings).items()}
     config = speculators_config_dict(model.config, _dtype_of(tensors, model.config.torch_dtype),
                                      verifier_name_or_path, verifier_architectures, speculative_tokens)
-    return _write_atomically(out_dir, {CONFIG_NAME: config, WEIGHTS_NAME: tensors})
+    return _write_folder(out_dir, {CONFIG_NAME: config, WEIGHTS_NAME: tensors})
 
 
 def _to_speculators_name(name: str) -> str:
@@ -350,21 +319,11 @@ def eagle3_config_from_dict(cfg: dict, target_config=None, dtype_name: str | Non
     ssd = cfg.get("ssd_eagle") or {}
     dtype_name = dtype_name or cfg.get("torch_dtype") or cfg.get("dtype") or layer.get("torch_dtype") or "float32"
     return Eagle3Config(
-        hidden_size=llama.hidden_size,
-        intermediate_size=llama.intermediate_size,
-        num_attention_heads=llama.num_attention_heads,
-        num_key_value_heads=llama.num_key_value_heads,
-        head_dim=llama.head_dim,
-        rms_norm_eps=llama.rms_norm_eps,
-        hidden_act=llama.hidden_act,
-        max_position_embeddings=llama.max_position_embeddings,
+        **{name: getattr(llama, name) for name in LLAMA_FIELDS},
         rope_parameters=normalize_rope_parameters(llama.rope_parameters),
-        vocab_size=llama.vocab_size,
         draft_vocab_size=cfg.get("draft_vocab_size") or llama.vocab_size,
         target_hidden_size=cfg.get("target_hidden_size") or llama.hidden_size,
         aux_layer_ids=_aux_ids(ids, cfg.get(CONVENTION_KEY), target_config, where),
-        attention_bias=llama.attention_bias,
-        mlp_bias=llama.mlp_bias,
         torch_dtype=dtype_name,
         saguaro_c=ssd.get("saguaro_c"),
         saguaro_fanout=ssd.get("saguaro_fanout"),
@@ -449,197 +408,3 @@ def load_eagle3(path: str | os.PathLike, target_config=None, strict: bool = True
     if embed is not None:
         model.set_owned_embeddings(embed.to(cfg.dtype))
     return model.to(device).eval()
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# engine weight-name maps
-#
-# vLLM: transcribed from vllm-project/vllm vllm/model_executor/models/llama_eagle3.py at commit
-#   00bd1493b3e82d6c13c68ee8a0e1c5a96707e190 (Eagle3LlamaForCausalLM.load_weights + LlamaModel.load_weights):
-#   "t2d" skipped; "d2t" -> "draft_id_to_target_id"; every other name without "lm_head" gets "model.";
-#   "midlayer." -> "layers.0."; q/k/v_proj stacked into qkv_proj (shards "q","k","v"), gate/up_proj into
-#   gate_up_proj (shards 0, 1). embed_tokens is loaded only when present (else shared from the target).
-# SGLang: transcribed from sgl-project/sglang python/sglang/srt/models/llama_eagle3.py at commit
-#   03d5a7771f6082e7737a5f19cae7d1e863087013 (LlamaForCausalLMEagle3.load_weights): "d2t" becomes the attribute
-#   hot_token_id = d2t + arange(draft_vocab) (not a parameter); "t2d" skipped; the same q/k/v and gate/up stacking;
-#   a name is used as is when it is a parameter, else with "model." prepended, and names matching no parameter are
-#   skipped silently. Parameters keep the name "midlayer" (model.midlayer.*).
-# Both loaders drop unknown names without error (SGLang by design; vLLM through its skip lists), so the functions
-# below raise on any tensor that would not land on a parameter.
-
-_STACKED = ((".qkv_proj", ".q_proj", "q"), (".qkv_proj", ".k_proj", "k"), (".qkv_proj", ".v_proj", "v"),
-            (".gate_up_proj", ".gate_proj", 0), (".gate_up_proj", ".up_proj", 1))
-_SHARD_ORDER = {".qkv_proj": ("q", "k", "v"), ".gate_up_proj": (0, 1)}
-
-VLLM_EMBED = "model.embed_tokens.weight"
-SGLANG_EMBED = "model.embed_tokens.weight"
-SGLANG_HOT_TOKEN_ID = "hot_token_id"
-
-
-def vllm_param_layout(config: Eagle3Config) -> dict[str, tuple[tuple[int, ...], torch.dtype | None]]:
-    """Parameters of vLLM's ``Eagle3LlamaForCausalLM`` for this head (bias-free, one layer, aux hidden states on,
-    no parallel drafting): name -> (shape, dtype; None = the model's floating dtype). ``model.embed_tokens.weight``
-    is included; it is optional in a checkpoint."""
-    h, ht, i, hd = config.hidden_size, config.target_hidden_size, config.intermediate_size, config.head_dim
-    nh, nkv, dv = config.num_attention_heads, config.num_key_value_heads, config.draft_vocab_size
-    p = "model.layers.0."
-    return {
-        VLLM_EMBED: ((config.vocab_size, h), None),
-        p + "self_attn.qkv_proj.weight": (((nh + 2 * nkv) * hd, 2 * h), None),
-        p + "self_attn.o_proj.weight": ((h, nh * hd), None),
-        p + "mlp.gate_up_proj.weight": ((2 * i, h), None),
-        p + "mlp.down_proj.weight": ((h, i), None),
-        p + "input_layernorm.weight": ((h,), None),
-        p + "hidden_norm.weight": ((h,), None),
-        p + "post_attention_layernorm.weight": ((h,), None),
-        "model.fc.weight": ((h, 3 * ht), None),
-        "model.norm.weight": ((h,), None),
-        "lm_head.weight": ((dv, h), None),
-        "draft_id_to_target_id": ((dv,), torch.long),
-    }
-
-
-def sglang_param_layout(config: Eagle3Config) -> dict[str, tuple[tuple[int, ...], torch.dtype | None]]:
-    """Parameters of SGLang's ``LlamaForCausalLMEagle3`` for this head, plus its ``hot_token_id`` attribute
-    (int64 [draft_vocab]): name -> (shape, dtype; None = floating). ``model.embed_tokens.weight`` is optional."""
-    layout = {k.replace("model.layers.0.", "model.midlayer."): v for k, v in vllm_param_layout(config).items()
-              if k != "draft_id_to_target_id"}
-    layout[SGLANG_HOT_TOKEN_ID] = ((config.draft_vocab_size,), torch.long)
-    return layout
-
-
-_VLLM_PARAMS = frozenset(vllm_param_layout(Eagle3Config(
-    hidden_size=8, intermediate_size=8, num_attention_heads=1, num_key_value_heads=1, head_dim=8, rms_norm_eps=1e-6,
-    hidden_act="silu", max_position_embeddings=8, rope_parameters={}, vocab_size=8, draft_vocab_size=8,
-    target_hidden_size=8, aux_layer_ids=(0, 1, 2))))
-_SGLANG_PARAMS = frozenset(k.replace("model.layers.0.", "model.midlayer.") for k in _VLLM_PARAMS
-                           if k != "draft_id_to_target_id")
-
-
-def vllm_route(name: str) -> tuple[str, str | int | None] | None:
-    """Where vLLM's EAGLE-3 loader puts checkpoint tensor ``name``: (parameter, shard id or None), or None when
-    it skips it (``t2d``). Accepts our names and speculators' ``layers.0.*`` names."""
-    if "t2d" in name:
-        return None
-    if "d2t" in name:
-        return name.replace("d2t", "draft_id_to_target_id"), None
-    if "lm_head" not in name:
-        name = "model." + name
-    if "midlayer." in name:
-        name = name.replace("midlayer.", "layers.0.")
-    for param_name, shard_name, shard_id in _STACKED:
-        if shard_name in name:
-            return name.replace(shard_name, param_name), shard_id
-    return name, None
-
-
-def sglang_route(name: str) -> tuple[str, str | int | None] | None:
-    """Where SGLang's EAGLE-3 loader puts checkpoint tensor ``name``: (parameter, shard id or None),
-    (``"hot_token_id"``, None) for ``d2t``, or None when it skips it (``t2d``, and silently any name that matches
-    no parameter)."""
-    if "d2t" in name:
-        return SGLANG_HOT_TOKEN_ID, None
-    if "t2d" in name:
-        return None
-    shard_id = None
-    for param_name, shard_name, sid in _STACKED:
-        if shard_name in name:
-            name, shard_id = name.replace(shard_name, param_name), sid
-            break
-    param = name if name in _SGLANG_PARAMS else f"model.{name}"
-    return (param, shard_id) if param in _SGLANG_PARAMS else None
-
-
-def _apply_routes(state_dict: dict[str, torch.Tensor], route, params: frozenset, engine: str,
-                  transform=None) -> dict[str, torch.Tensor]:
-    dropped, shards, out = [], {}, {}
-    for name, tensor in state_dict.items():
-        target = route(name)
-        if target is None:
-            if "t2d" not in name:
-                dropped.append(name)
-            continue
-        param, shard_id = target
-        if param not in params:
-            dropped.append(name)
-            continue
-        if shard_id is None:
-            if param in out:
-                raise ValueError(f"{engine}: two tensors land on {param}")
-            out[param] = transform(param, tensor) if transform else tensor
-        else:
-            shards.setdefault(param, {})
-            if shard_id in shards[param]:
-                raise ValueError(f"{engine}: shard {shard_id!r} of {param} given twice")
-            shards[param][shard_id] = tensor
-    if dropped:
-        raise ValueError(f"{engine} would silently drop {sorted(dropped)}")
-    for param, parts in shards.items():
-        order = next(o for suffix, o in _SHARD_ORDER.items() if suffix in param)
-        if set(parts) != set(order):
-            raise ValueError(f"{engine}: {param} needs shards {list(order)}, got {sorted(map(str, parts))}")
-        out[param] = torch.cat([parts[s] for s in order], dim=0)
-    return out
-
-
-def to_vllm_names(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """What vLLM's ``Eagle3LlamaForCausalLM`` holds after loading ``state_dict`` (checkpoint names, ours or
-    speculators'): parameter name -> tensor, q/k/v concatenated into ``qkv_proj``, gate/up into ``gate_up_proj``,
-    ``d2t`` as ``draft_id_to_target_id``; ``t2d`` is dropped (vLLM ignores it).
-
-    Raises:
-        ValueError: a tensor would land on no parameter (vLLM's silent skip), or stacked shards are incomplete.
-    """
-    return _apply_routes(state_dict, vllm_route, _VLLM_PARAMS, "vLLM")
-
-
-def to_sglang_names(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """What SGLang's ``LlamaForCausalLMEagle3`` holds after loading ``state_dict``: parameter name -> tensor
-    (stacked like vLLM, names ``model.midlayer.*``) plus ``"hot_token_id"`` = ``d2t + arange`` (int64); ``t2d`` is
-    dropped.
-
-    Raises:
-        ValueError: a tensor would land on no parameter (SGLang skips it silently), or shards are incomplete.
-    """
-    def hot(param, tensor):
-        if param != SGLANG_HOT_TOKEN_ID:
-            return tensor
-        return tensor + torch.arange(tensor.shape[0], dtype=tensor.dtype)
-    return _apply_routes(state_dict, sglang_route, _SGLANG_PARAMS | {SGLANG_HOT_TOKEN_ID}, "SGLang", hot)
-
-
-def _split_engine_state(engine: dict[str, torch.Tensor], config: Eagle3Config, layer_prefix: str,
-                        d2t: torch.Tensor) -> dict[str, torch.Tensor]:
-    nh, nkv, hd, i = (config.num_attention_heads, config.num_key_value_heads, config.head_dim,
-                      config.intermediate_size)
-    out = {}
-    for name, tensor in engine.items():
-        if not name.startswith(("model.", "lm_head")):
-            continue
-        if name.endswith("self_attn.qkv_proj.weight"):
-            q, k, v = torch.split(tensor, [nh * hd, nkv * hd, nkv * hd], dim=0)
-            for proj, part in (("q", q), ("k", k), ("v", v)):
-                out[f"midlayer.self_attn.{proj}_proj.weight"] = part.clone()
-        elif name.endswith("mlp.gate_up_proj.weight"):
-            gate, up = torch.split(tensor, [i, i], dim=0)
-            out["midlayer.mlp.gate_proj.weight"], out["midlayer.mlp.up_proj.weight"] = gate.clone(), up.clone()
-        else:
-            key = name[len("model."):] if name.startswith("model.") else name
-            out[key.replace(layer_prefix, "midlayer.")] = tensor
-    out["d2t"] = d2t.to(torch.long)
-    t2d = torch.zeros(config.vocab_size, dtype=torch.bool)
-    t2d[torch.arange(d2t.numel()) + d2t] = True
-    out["t2d"] = t2d
-    return out
-
-
-def from_vllm_names(engine: dict[str, torch.Tensor], config: Eagle3Config) -> dict[str, torch.Tensor]:
-    """Inverse of :func:`to_vllm_names`: back to our checkpoint names (``t2d`` rebuilt from ``d2t``)."""
-    return _split_engine_state(engine, config, "layers.0.", engine["draft_id_to_target_id"])
-
-
-def from_sglang_names(engine: dict[str, torch.Tensor], config: Eagle3Config) -> dict[str, torch.Tensor]:
-    """Inverse of :func:`to_sglang_names`: back to our checkpoint names (``d2t = hot_token_id - arange``,
-    ``t2d`` rebuilt)."""
-    hot = engine[SGLANG_HOT_TOKEN_ID]
-    return _split_engine_state(engine, config, "midlayer.", hot - torch.arange(hot.shape[0], dtype=hot.dtype))

@@ -124,24 +124,78 @@ def fit_power_law(fanouts: list[int], hit_rates: list[float]) -> PowerLawFit:
     return PowerLawFit(power=-slope, scale=math.exp(my - slope * mx), points=n)
 
 
-def hit_rate_by_rank(ranks: list[int], max_fanout: int) -> tuple[list[int], list[float]]:
+def hit_rate_by_rank(ranks: list[int], max_fanout: int,
+                     stored: list[int] | None = None) -> tuple[list[int], list[float]]:
     """Empirical ``p_hit(F)`` for F = 1..max_fanout from the rank of the true bonus token among the draft's
-    candidates at each observed rejection (rank 0 = the draft's best candidate; -1 or >= max_fanout = not among
-    them)."""
+    candidates at each observed lookup (rank 0 = the draft's best candidate; -1 = not among the stored ones).
+
+    A lookup that stored s candidates and did not find the bonus among them says only "rank >= s": it is
+    *censored* at s, and treating it as a miss for every F > s flattens the curve past the stored candidates. With
+    ``stored`` (the candidate count of each lookup) the rate is the Kaplan-Meier estimate ``1 - prod_{f < F}
+    (1 - d_f / n_f)``, with ``d_f`` lookups of rank f and ``n_f`` lookups still at risk at f (rank >= f, or
+    censored past f); F stops where nobody is at risk any more. Without ``stored`` every -1 counts as a miss.
+
+    Returns:
+        (fan-outs F, hit rates), of equal length (<= max_fanout).
+    """
     n = len(ranks)
-    fs = list(range(1, max_fanout + 1))
-    return fs, [sum(1 for r in ranks if 0 <= r < f) / n if n else 0.0 for f in fs]
+    if stored is None:
+        fs = list(range(1, max_fanout + 1))
+        return fs, [sum(1 for r in ranks if 0 <= r < f) / n if n else 0.0 for f in fs]
+    if len(stored) != n:
+        raise ValueError(f"stored has {len(stored)} entries for {n} ranks")
+    fs, hits, survival = [], [], 1.0
+    for f in range(max_fanout):
+        at_risk = sum(1 for r, s in zip(ranks, stored) if r >= f or (r < 0 and s > f))
+        if at_risk == 0:
+            break
+        survival *= 1.0 - sum(1 for r in ranks if r == f) / at_risk
+        fs.append(f + 1)
+        hits.append(1.0 - survival)
+    return fs, hits
+
+
+class OnlinePowerFit:
+    """``fanout_power: "auto"``: r of ``1 - p_hit(F) = c F^-r`` fitted from the bonus ranks the speculator
+    observes (censored at the candidates it stored, :func:`hit_rate_by_rank`), once ``min_lookups`` are in.
+
+    Args:
+        default: r until then (and whenever the points cannot be fitted).
+        min_lookups: observations needed before fitting.
+        max_fanout: largest F used in the fit.
+    """
+
+    def __init__(self, default: float = 1.0, min_lookups: int = 50, max_fanout: int = 32):
+        self.default, self.min_lookups, self.max_fanout = default, min_lookups, max_fanout
+        self.ranks: list[int] = []
+        self.stored: list[int] = []
+
+    def record(self, rank: int, stored: int) -> None:
+        """One lookup: the bonus token's rank among ``stored`` candidates (-1: not among them)."""
+        self.ranks.append(rank)
+        self.stored.append(stored)
+
+    @property
+    def power(self) -> float:
+        if len(self.ranks) < self.min_lookups:
+            return self.default
+        try:
+            fit = fit_power_law(*hit_rate_by_rank(self.ranks, self.max_fanout, self.stored))
+        except ValueError:
+            return self.default
+        return min(max(fit.power, 0.05), 5.0)
 
 
 def fit_fanout(budget: int, num_speculative_tokens: int, acceptance_rate: float, bonus_ranks: list[int],
-               max_fanout: int = 32) -> tuple[list[int], PowerLawFit]:
+               max_fanout: int = 32, stored: list[int] | None = None) -> tuple[list[int], PowerLawFit]:
     """Pick the geometric fan-out from measured statistics: a from the acceptance rate, r from the ranks of the
-    true bonus tokens among the draft's candidates (:func:`hit_rate_by_rank`, :func:`fit_power_law`).
+    true bonus tokens among the draft's candidates (:func:`hit_rate_by_rank`, censored at ``stored`` when
+    given; :func:`fit_power_law`).
 
     Raises:
         ValueError: not enough distinct hit-rate points to fit r.
     """
-    fs, hits = hit_rate_by_rank(bonus_ranks, max_fanout)
+    fs, hits = hit_rate_by_rank(bonus_ranks, max_fanout, stored)
     fit = fit_power_law(fs, hits)
     a = min(max(acceptance_rate, 1e-3), 1 - 1e-3)
     return geometric_fanout(budget, num_speculative_tokens, a, max(fit.power, 1e-3)), fit

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import make_tiny_llama
+from helpers import make_drafter, make_tiny_llama, noisy_copy, random_prompts, reference_greedy
 from ssd_eagle.config import EngineConfig, SpeculativeConfig
 from ssd_eagle.cuda_graphs import StaticForward, runner_forward_fn
 from ssd_eagle.engine.llm import LLM
@@ -15,7 +15,6 @@ from ssd_eagle.kv_cache import ForwardBatch
 from ssd_eagle.model_runner import ModelRunner
 from ssd_eagle.sampling_params import SamplingParams
 from ssd_eagle.ssd import build_ssd_drafter
-from test_engine import make_drafter, noisy_copy, random_prompts, reference_greedy
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
                                 reason="needs a CUDA device (scripts/gpu_check.sh runs these on a GPU machine)")

@@ -1,0 +1,291 @@
+"""Plans chosen from measured costs: how many draft tokens to verify each round, or none at all.
+
+A round that verifies K draft tokens costs ``T(K) = V(K + 1, B) + D(K)`` seconds: the target's forward over K + 1
+new tokens for a batch of B rows, plus the drafter's time for K steps (zero for autoregressive decoding, K = 0). It
+emits on average
+
+    E(K) = 1 + sum_{j=1..K} prod_{i=1..j} a_i                                        (Leviathan et al., Eq. 1)
+
+tokens per row, where ``a_i`` is the probability that draft position i is accepted given positions 1..i-1 were
+(measured on the running request). The planner picks the K that maximises the batch's expected tokens per second
+``sum_rows E_row(K) / T(K)``; K = 0 (plain decoding) competes on the same footing, so a drafter that does not pay
+is switched off. While off, a request *probes* (a short draft every ``probe_every`` rounds) so that speculation
+comes back when drafts start to pay.
+
+Costs: :func:`measure_verify_costs` times ``V(n, B)`` for n = 1..N new tokens per batch-size bucket in a few
+forwards at start-up; the table is cached on disk per (model, dtype, threads and CPU affinity, torch version, code
+version) under :func:`ssd_eagle.assets.cache_dir`. The drafter's ``D(K)`` is learnt online from the rounds the
+engine runs (a least-squares line ``d0 + d1 * K`` with forgetting), as are corrections to ``V``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
+
+
+# ----------------------------------------------------------------------------------------------------------- costs
+@dataclass
+class CostTable:
+    """Seconds of one target forward over n new tokens (n = 1..len) per batch-size bucket.
+
+    Attributes:
+        verify: ``{bucket: [V(1), V(2), ..., V(N)]}`` in seconds; a batch uses the smallest bucket >= its size
+            (the largest bucket beyond it, scaled linearly in B), n past N extrapolates the last slope.
+        key: what the table was measured for (see :func:`cost_key`).
+    """
+
+    verify: dict[int, list[float]]
+    key: str = ""
+
+    def verify_time(self, n: int, batch: int = 1) -> float:
+        """Seconds of a forward over ``n >= 1`` new tokens for ``batch`` rows."""
+        buckets = sorted(self.verify)
+        bucket = next((b for b in buckets if b >= batch), buckets[-1])
+        row = self.verify[bucket]
+        t = row[n - 1] if n <= len(row) else row[-1] + (n - len(row)) * max(row[-1] - row[-2], 0.0) \
+            if len(row) > 1 else row[-1] * n
+        return t * (batch / bucket if batch > bucket else 1.0)
+
+    def to_json(self) -> str:
+        return json.dumps({"key": self.key, "verify": {str(b): v for b, v in self.verify.items()}})
+
+    @classmethod
+    def from_json(cls, text: str) -> CostTable:
+        raw = json.loads(text)
+        return cls({int(b): [float(x) for x in v] for b, v in raw["verify"].items()}, raw.get("key", ""))
+
+
+def cost_key(model, max_new: int, buckets: tuple[int, ...]) -> str:
+    """A digest of what a forward's cost depends on: the model's config and dtype, torch's thread count and the CPU
+    affinity of this process, the torch version, this project's runner code, and the table's extent."""
+    param = next(model.parameters())
+    code = b"".join((Path(__file__).parent / name).read_bytes() for name in ("model_runner.py", "kv_cache.py"))
+    affinity = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    parts = [model.config.to_json_string(use_diff=False), str(param.dtype), str(param.device),
+             str(torch.get_num_threads()), str(affinity), torch.__version__, hashlib.sha256(code).hexdigest(),
+             str(max_new), str(buckets)]
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:24]
+
+
+@torch.inference_mode()
+def measure_verify_costs(runner, max_new: int, max_batch: int = 1, context: int = 128, repeats: int = 3,
+                         cache: bool = True) -> CostTable:
+    """Time the target's forward over n = 1..``max_new`` new tokens after a ``context``-token prefix, for every
+    batch bucket up to ``max_batch`` (median of ``repeats``, after one warm-up).
+
+    Args:
+        runner: a :class:`~ssd_eagle.model_runner.ModelRunner` with at least ``max_batch`` free slots (their cache
+            contents are overwritten: call this before any request is admitted).
+        cache: read and write the table under ``cache_dir()/costs`` keyed by :func:`cost_key`.
+
+    Returns:
+        The :class:`CostTable`.
+    """
+    from ssd_eagle.assets import cache_dir
+    from ssd_eagle.kv_cache import ForwardBatch
+
+    buckets = tuple(b for b in BATCH_BUCKETS if b < max_batch) + (max_batch,)
+    key = cost_key(runner.model, max_new, buckets)
+    path = cache_dir() / "costs" / f"{key}.json"
+    if cache and path.exists():
+        return CostTable.from_json(path.read_text())
+    verify: dict[int, list[float]] = {}
+    for b in buckets:
+        slots = list(range(b))
+        runner.forward(ForwardBatch.causal([[0] * context] * b, slots, [0] * b, runner.dtype, runner.device),
+                       logits_index=torch.zeros(b, 1, dtype=torch.long, device=runner.device))
+        row = []
+        for n in range(1, max_new + 1):
+            batch = ForwardBatch.causal([[0] * n] * b, slots, [context] * b, runner.dtype, runner.device)
+            times = []
+            for _ in range(repeats + 1):
+                start = time.perf_counter()
+                runner.forward(batch)
+                times.append(time.perf_counter() - start)
+            row.append(sorted(times[1:])[len(times[1:]) // 2])
+        verify[b] = row
+    table = CostTable(verify, key)
+    if cache:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".tmp{os.getpid()}")
+        tmp.write_text(table.to_json())
+        os.replace(tmp, path)
+    return table
+
+
+class OnlineLine:
+    """Least-squares fit of ``y = intercept + slope * x`` with exponential forgetting (weight ``decay`` per
+    update), for costs that drift (caches warming, context growing)."""
+
+    def __init__(self, decay: float = 0.97):
+        self.decay = decay
+        self.n = self.sx = self.sy = self.sxx = self.sxy = 0.0
+
+    def update(self, x: float, y: float) -> None:
+        d = self.decay
+        self.n, self.sx, self.sy = d * self.n + 1, d * self.sx + x, d * self.sy + y
+        self.sxx, self.sxy = d * self.sxx + x * x, d * self.sxy + x * y
+
+    def predict(self, x: float, default: float = 0.0) -> float:
+        if self.n < 1e-9:
+            return default
+        var = self.sxx * self.n - self.sx ** 2
+        if var <= 1e-12 * max(self.n, 1.0):  # one distinct x so far: proportional through the mean
+            mean_x, mean_y = self.sx / self.n, self.sy / self.n
+            return mean_y * x / mean_x if mean_x > 0 else mean_y
+        slope = (self.sxy * self.n - self.sx * self.sy) / var
+        intercept = (self.sy - slope * self.sx) / self.n
+        return max(intercept + slope * x, 0.0)
+
+
+# ------------------------------------------------------------------------------------------------------ acceptance
+@dataclass
+class Acceptance:
+    """Per-position conditional acceptance ``a_i`` of one request, as decayed counts with a prior.
+
+    After a chain of n drafts accepted k, positions 1..min(k + 1, n) were tried and 1..k accepted; later positions
+    were not observed. ``a_i = (accepted_i + w * prior_i) / (tried_i + w)`` with the engine-wide estimate as prior.
+    """
+
+    tried: list[float] = field(default_factory=list)
+    accepted: list[float] = field(default_factory=list)
+    decay: float = 0.9
+
+    def record(self, num_drafted: int, num_accepted: int) -> None:
+        if num_drafted <= 0:
+            return
+        need = num_drafted - len(self.tried)
+        if need > 0:
+            self.tried += [0.0] * need
+            self.accepted += [0.0] * need
+        for i in range(min(num_accepted + 1, num_drafted)):
+            self.tried[i] = self.decay * self.tried[i] + 1.0
+            self.accepted[i] = self.decay * self.accepted[i] + (1.0 if i < num_accepted else 0.0)
+
+    def rates(self, k: int, prior: list[float] | None = None, weight: float = 2.0, default: float = 0.5) -> list[float]:
+        """``[a_1 .. a_k]``; positions never tried take the prior (or the last known rate, or ``default``)."""
+        out = []
+        for i in range(k):
+            p = prior[i] if prior is not None and i < len(prior) else (out[-1] if out else default)
+            if i < len(self.tried) and self.tried[i] > 0:
+                out.append((self.accepted[i] + weight * p) / (self.tried[i] + weight))
+            else:
+                out.append(p)
+        return out
+
+
+def expected_tokens(rates: list[float]) -> float:
+    """E(K) = 1 + sum_j prod_{i<=j} a_i: tokens emitted by a chain round with per-position acceptance ``rates``."""
+    total, reach = 1.0, 1.0
+    for a in rates:
+        reach *= a
+        total += reach
+    return total
+
+
+# --------------------------------------------------------------------------------------------------------- planner
+@dataclass
+class PlannerConfig:
+    """Attributes:
+        max_k: the longest chain considered (the engine's K).
+        choose_k: pick K in 0..max_k (True) or only between 0 and max_k (an explicit K).
+        adaptive: False always drafts max_k (the cost model is not consulted).
+        probe_every: while not speculating, a request drafts ``probe_k`` tokens every this many rounds.
+        probe_k: length of a probe.
+    """
+
+    max_k: int
+    choose_k: bool = True
+    adaptive: bool = True
+    probe_every: int = 8
+    probe_k: int = 2
+
+
+class Planner:
+    """Chooses each round's draft length from the cost table and the running requests' acceptance.
+
+    Call :meth:`choose` before drafting a round, :meth:`observe` after verifying it, :meth:`forget` when a request
+    ends. ``decisions`` counts the chosen K over rounds (reported in ``spec_stats`` and ``/metrics``).
+    """
+
+    def __init__(self, config: PlannerConfig, costs: CostTable):
+        self.config = config
+        self.costs = costs
+        self.draft_cost = OnlineLine()  # seconds of drafting for a round vs its draft length
+        self.verify_scale = 1.0  # measured verify time / table prediction (EMA)
+        self.acceptance: dict[str, Acceptance] = {}
+        self.engine_wide = Acceptance(decay=0.98)
+        self.idle_rounds: dict[str, int] = {}
+        self.decisions: dict[int, int] = {}
+
+    def round_time(self, k: int, batch: int) -> float:
+        """Predicted seconds of a round drafting ``k`` tokens for ``batch`` rows."""
+        draft = self.draft_cost.predict(k, default=0.0) if k else 0.0
+        return self.verify_scale * self.costs.verify_time(k + 1, batch) + draft
+
+    def rate(self, k: int, request_ids: list[str]) -> float:
+        """Expected emitted tokens per second for the batch at draft length ``k``."""
+        prior = self.engine_wide.rates(max(k, 1), weight=2.0)
+        tokens = sum(expected_tokens(self.acceptance.get(r, Acceptance()).rates(k, prior)) for r in request_ids)
+        return tokens / self.round_time(k, len(request_ids))
+
+    def choose(self, request_ids: list[str]) -> dict[str, int]:
+        """Draft length per request for the next round (0 = plain decoding for that request)."""
+        cfg = self.config
+        if not cfg.adaptive or cfg.max_k == 0 or not request_ids:
+            k = cfg.max_k
+        else:
+            candidates = range(cfg.max_k + 1) if cfg.choose_k else (0, cfg.max_k)
+            k = max(candidates, key=lambda c: (self.rate(c, request_ids), -c))
+        self.decisions[k] = self.decisions.get(k, 0) + 1
+        out = {}
+        for r in request_ids:
+            if k == 0 and cfg.adaptive:
+                idle = self.idle_rounds.get(r, 0) + 1
+                probe = idle >= cfg.probe_every
+                self.idle_rounds[r] = 0 if probe else idle
+                out[r] = min(cfg.probe_k, cfg.max_k) if probe else 0
+            else:
+                self.idle_rounds[r] = 0
+                out[r] = k
+        return out
+
+    def observe(self, drafted: dict[str, tuple[int, int]], draft_seconds: float, verify_seconds: float,
+                width: int) -> None:
+        """Learn from a verified round.
+
+        Args:
+            drafted: ``{request_id: (num_drafted, num_accepted)}`` for the round's chain rows.
+            draft_seconds / verify_seconds: the round's measured drafting and verification time.
+            width: new tokens per row in the verify forward (longest draft + 1).
+        """
+        if not drafted:
+            return
+        for r, (n, k) in drafted.items():
+            self.acceptance.setdefault(r, Acceptance()).record(n, k)
+            self.engine_wide.record(n, k)
+        longest = max(n for n, _ in drafted.values())
+        if longest:
+            self.draft_cost.update(longest, draft_seconds)
+        predicted = self.costs.verify_time(width, len(drafted))
+        if predicted > 0 and math.isfinite(verify_seconds):
+            self.verify_scale = 0.9 * self.verify_scale + 0.1 * (verify_seconds / predicted)
+
+    def forget(self, request_id: str) -> None:
+        self.acceptance.pop(request_id, None)
+        self.idle_rounds.pop(request_id, None)
+
+    def summary(self) -> dict:
+        """JSON-ready planner state: rounds per chosen K and the engine-wide acceptance per position."""
+        return {"k_decisions": dict(sorted(self.decisions.items())),
+                "acceptance_per_position": [round(a, 4) for a in self.engine_wide.rates(self.config.max_k)]}
