@@ -8,50 +8,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import make_tiny_llama
-from ssd_eagle.config import EngineConfig, SpeculativeConfig
-from ssd_eagle.drafters import DraftModelDrafter, NgramDrafter
-from ssd_eagle.drafters.base import Drafter, Proposal
-from ssd_eagle.drafters.eagle3 import Eagle3Drafter
+from helpers import reference_greedy
+from serving_helpers import KINDS, K, RecordingAuxDrafter, build_engine, long_prompts, make_target
 from ssd_eagle.engine.llm import LLM
 from ssd_eagle.engine.llm_engine import LLMEngine
 from ssd_eagle.sampling_params import SamplingParams
-from ssd_eagle.ssd import build_ssd_drafter
-from test_eagle3_drafter import make_head
-from test_engine import noisy_copy, reference_greedy
-
-K = 4
-KINDS = ["ar", "ngram", "draft", "eagle3", "ssd"]
-
-
-def make_target():
-    return make_tiny_llama(seed=4, num_layers=8)
-
-
-def build_engine(kind: str, target, tokenizer, max_num_seqs: int = 2, **engine_args) -> LLMEngine:
-    """An engine over ``target`` in one of ``KINDS`` (SSD with its speculator in this process)."""
-    if kind == "ssd":
-        spec = SpeculativeConfig(method="draft_model", model="in-memory", num_speculative_tokens=K, fanout=[2],
-                                 speculator="local")
-        cfg = EngineConfig(model="in-memory", mode="ssd", max_num_seqs=max_num_seqs, max_model_len=512,
-                           speculative_config=spec)
-        drafter = build_ssd_drafter(cfg, target, draft=noisy_copy(target, 0.02))
-    else:
-        drafter = {"ar": lambda: None, "ngram": lambda: NgramDrafter(1, 3),
-                   "draft": lambda: DraftModelDrafter(noisy_copy(target, 0.05), target.config.vocab_size,
-                                                      max_num_seqs, 512),
-                   "eagle3": lambda: Eagle3Drafter(make_head(target, draft_vocab=257), num_slots=max_num_seqs,
-                                                   max_len=512)}[kind]()
-    return LLMEngine(target, tokenizer, drafter, num_speculative_tokens=K, max_num_seqs=max_num_seqs,
-                     max_model_len=512, **engine_args)
-
-
-def long_prompts(seed: int, lengths=(150, 3, 97, 64, 33)) -> list[list[int]]:
-    g = torch.Generator().manual_seed(seed)
-    prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in lengths]
-    if len(prompts) > 2:
-        prompts[2] = (prompts[2][:7] * 20)[: lengths[2]]  # repetitive: something for the n-gram drafter
-    return prompts
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -101,22 +62,6 @@ def test_a_running_request_advances_while_a_long_prompt_is_prefilled(kind, byte_
         engine.step()
     assert long.output_token_ids == reference_greedy(target, long_prompt, 8)
     assert short.output_token_ids == reference_greedy(target, [5, 6, 7], 200, eos=set())
-
-
-class RecordingAuxDrafter(Drafter):
-    """Proposes nothing; records every ``add_sequence`` with its prompt aux states."""
-
-    needs_aux_hidden = True
-    name = "recording"
-
-    def __init__(self, aux_layer_ids):
-        self.aux_layer_ids, self.added = aux_layer_ids, []
-
-    def add_sequence(self, seq, prompt_aux):
-        self.added.append((seq.request_id, list(seq.token_ids), prompt_aux.clone(), seq.num_reused))
-
-    def propose(self, seqs, num_tokens):
-        return [Proposal([]) for _ in seqs]
 
 
 def test_the_drafter_gets_the_whole_prompt_aux_once_the_prompt_is_cached(byte_tokenizer):

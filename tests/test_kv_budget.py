@@ -6,13 +6,11 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import make_tiny_llama
-from ssd_eagle.engine.llm import LLM
+from helpers import make_tiny_llama, reference_greedy
+from serving_helpers import build_engine, long_prompts
 from ssd_eagle.engine.scheduler import GIB
 from ssd_eagle.kv_cache import KVCache
 from ssd_eagle.sampling_params import SamplingParams
-from test_chunked_prefill import build_engine, long_prompts
-from test_engine import reference_greedy
 
 POSITION = 2 * 4 * 2 * 16 * 8  # bytes per position of make_tiny_llama(): layers x (k, v) x kv heads x head dim x 8
 

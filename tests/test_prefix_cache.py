@@ -8,14 +8,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import make_tiny_llama
+from helpers import make_tiny_llama, reference_greedy
 from ssd_eagle.engine.llm import LLM
 from ssd_eagle.kv_cache import KVCache
 from ssd_eagle.prefix_cache import PrefixCache
 from ssd_eagle.sampling_params import SamplingParams
 from ssd_eagle.engine.llm_engine import LLMEngine
-from test_chunked_prefill import KINDS, RecordingAuxDrafter, build_engine, long_prompts, make_target
-from test_engine import reference_greedy
+from serving_helpers import KINDS, RecordingAuxDrafter, build_engine, long_prompts, make_target
 
 BLOCK = 64
 

@@ -7,8 +7,9 @@ tokens per request, the target scores ``[last token, drafts]`` of all rows in on
 verification keeps the longest acceptable prefix plus a bonus token (:mod:`ssd_eagle.verify`). Autoregressive
 decoding is the same loop with no drafter (K = 0). A prompt prefix whose keys/values are in the prefix cache
 (:mod:`ssd_eagle.prefix_cache`) is copied into the slot instead of prefilled. The target's store is resized to
-the live requests after every step, so its memory follows them, not the longest request ever seen. Stopping rules are applied token by token, so nothing past an
-EOS, a stop string, ``max_tokens`` or ``max_model_len`` is ever emitted, even inside an accepted block.
+the live requests after every step, so its memory follows them, not the longest request ever seen. Stopping
+rules are applied token by token, so nothing past an EOS, a stop string, ``max_tokens`` or ``max_model_len`` is
+ever emitted, even inside an accepted block.
 
 A drafter that raises is marked unhealthy (``drafter.healthy = False``) and never called again: every request
 continues with ordinary decoding, losing nothing. Greedy rows are verified by argmax match, sampled rows by rejection sampling with the exact q the drafter sampled
@@ -28,8 +29,7 @@ import torch
 from ssd_eagle.drafters.base import Drafter, Proposal
 from ssd_eagle.engine.detokenizer import IncrementalDetokenizer
 from ssd_eagle.engine.scheduler import GIB, Scheduler
-from ssd_eagle.engine.sequence import (CompletionOutput, RequestOutput, Sequence, SequenceStatus,
-                                       TokenLogprob)
+from ssd_eagle.engine.sequence import RequestOutput, Sequence, SequenceStatus, TokenLogprob
 from ssd_eagle.kv_cache import ForwardBatch
 from ssd_eagle.model_runner import ModelRunner, RunnerOutput
 from ssd_eagle.prefix_cache import PrefixCache
@@ -143,8 +143,9 @@ class LLMEngine:
                                                params.skip_special_tokens),
             logprobs=[] if params.logprobs is not None else None,
         )
-        self.scheduler.add(seq)
+        self.scheduler.check_fits(seq)
         self.requests[request_id] = seq
+        self.waiting.append(seq)
 
     def abort(self, request_id: str) -> None:
         """Stop a request now; its slot is freed and it is reported no more. Unknown ids are ignored."""
@@ -184,7 +185,7 @@ class LLMEngine:
         if live:
             self._round(live)
         touched = ready + [s for s in live if s not in ready]
-        outputs = [self._report(seq) for seq in touched]
+        outputs = [seq.report() for seq in touched]
         for seq in touched:
             if seq.finished:
                 self._release(seq)
@@ -258,7 +259,7 @@ class LLMEngine:
         while chunks:  # pad tokens of a short row write past its end: a row too close to max_len runs alone
             width = max(n for _, n in chunks)
             group = [c for c in chunks if c[0].num_cached + width <= max_len] or chunks[:1]
-            chunks = [c for c in chunks if c not in group]
+            chunks = [c for c in chunks if all(c[0] is not seq for seq, _ in group)]
             seqs = [seq for seq, _ in group]
             tokens = [seq.token_ids[seq.num_cached: seq.num_cached + n] for seq, n in group]
             finishing = [seq.num_cached + n == seq.num_prompt_tokens for seq, n in group]
@@ -433,16 +434,3 @@ class LLMEngine:
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason, seq.stop_reason = reason, stop_reason
         seq.finish_time = time.monotonic()
-
-    def _report(self, seq: Sequence) -> RequestOutput:
-        delta_ids = seq.token_ids[seq.num_prompt_tokens + seq.num_reported_tokens:]
-        seq.num_reported_tokens = seq.num_output_tokens
-        return RequestOutput(
-            request_id=seq.request_id, prompt=seq.prompt, prompt_token_ids=seq.token_ids[: seq.num_prompt_tokens],
-            outputs=[CompletionOutput(0, seq.detokenizer.text, seq.output_token_ids, seq.finish_reason,
-                                      seq.stop_reason, list(seq.logprobs) if seq.logprobs is not None else None)],
-            finished=seq.finished, delta_text=seq.detokenizer.next_delta(seq.finished), delta_token_ids=delta_ids,
-            stats=seq.stats,
-            metrics={"arrival_time": seq.arrival_time, "first_token_time": seq.first_token_time,
-                     "finish_time": seq.finish_time},
-        )

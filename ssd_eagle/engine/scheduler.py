@@ -105,10 +105,6 @@ class Scheduler:
         return True
 
     # admission and release
-    def add(self, seq: Sequence) -> None:
-        self.check_fits(seq)
-        self.waiting.append(seq)
-
     def admit(self, prefixes: PrefixCache | None = None) -> list[Sequence]:
         """Move waiting requests into free slots, oldest first, while the KV budget allows; returns them."""
         admitted = []

@@ -83,6 +83,20 @@ class Sequence:
         """Part of the prompt is not in the target's cache yet (no token sampled)."""
         return self.num_cached < self.num_prompt_tokens
 
+    def report(self) -> RequestOutput:
+        """The request's output so far, with what is new since its previous report."""
+        delta_ids = self.token_ids[self.num_prompt_tokens + self.num_reported_tokens:]
+        self.num_reported_tokens = self.num_output_tokens
+        return RequestOutput(
+            request_id=self.request_id, prompt=self.prompt, prompt_token_ids=self.token_ids[: self.num_prompt_tokens],
+            outputs=[CompletionOutput(0, self.detokenizer.text, self.output_token_ids, self.finish_reason,
+                                      self.stop_reason, list(self.logprobs) if self.logprobs is not None else None)],
+            finished=self.finished, delta_text=self.detokenizer.next_delta(self.finished), delta_token_ids=delta_ids,
+            stats=self.stats,
+            metrics={"arrival_time": self.arrival_time, "first_token_time": self.first_token_time,
+                     "finish_time": self.finish_time},
+        )
+
 
 @dataclass
 class CompletionOutput:
