@@ -73,7 +73,7 @@ def gap(model, tokenizer, args) -> None:
     engine = LLMEngine(model, tokenizer, max_num_seqs=2, max_model_len=8192,
                        max_num_batched_tokens=args.max_num_batched_tokens, enable_prefix_caching=False)
     engine.add_request("stream", render_chat(tokenizer, [{"role": "user", "content": "Tell me a long story."}]),
-                       SamplingParams(temperature=0.0, max_tokens=10_000, ignore_eos=True))
+                       SamplingParams(temperature=0.0, max_tokens=4000, ignore_eos=True))
     stream, times = engine.requests["stream"], []
     for _ in range(10):  # the stream's own pace first
         engine.step()
