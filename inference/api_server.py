@@ -7,7 +7,8 @@ Endpoints follow OpenAI's API (and vLLM's server where OpenAI is silent):
   lines in OpenAI's chunk format, then ``data: [DONE]``); responses and final chunks carry ``spec_stats``.
 - ``GET /health``: 200 ``{"status": "ok"}``, 200 ``{"status": "degraded", "reason"}`` while the drafter reports
   unhealthy (decoding goes on without speculation) or right after a failed engine step, 503 while draining or when
-  the engine loop stopped.
+  the engine loop stopped; a 200 also names the target's device and dtype and the CPU's capability
+  (:func:`ssd_eagle.platform.describe`).
 - ``GET /metrics``: Prometheus text (see :mod:`inference.metrics`).
 
 Errors always have OpenAI's body ``{"error": {"message", "type", "param", "code"}}``: 400 for invalid requests
@@ -34,6 +35,7 @@ from fastapi.responses import JSONResponse, Response
 
 from ssd_eagle.engine.llm import render_chat
 from ssd_eagle.engine.sequence import RequestOutput
+from ssd_eagle.platform import describe
 
 from inference.async_engine import AsyncEngine
 from inference.errors import APIError, install_error_handlers, parse_body, require_api_key
@@ -134,13 +136,15 @@ async def health(request: Request) -> JSONResponse:
         status = "draining" if server.async_engine.alive else "stopped"
         return JSONResponse({"status": status}, status_code=503)
     drafter = server.engine.drafter
+    platform = describe(server.engine.target.device, server.engine.target.dtype)
     if not getattr(drafter, "healthy", True):
         error = getattr(drafter, "error", None)
         return JSONResponse({"status": "degraded", "reason": "the drafter reports unhealthy; decoding continues "
-                                                           "without speculation" + (f" ({error})" if error else "")})
+                                                           "without speculation" + (f" ({error})" if error else ""),
+                             **platform})
     if server.async_engine.last_step_failed:
-        return JSONResponse({"status": "degraded", "reason": "the last engine step failed"})
-    return JSONResponse({"status": "ok"})
+        return JSONResponse({"status": "degraded", "reason": "the last engine step failed", **platform})
+    return JSONResponse({"status": "ok", **platform})
 
 
 @_ops_router.get("/metrics")

@@ -23,6 +23,7 @@ from typing import Literal
 from pydantic import Field
 
 from ssd_eagle.config import ENGINE_FLAGS, add_engine_args, engine_config_from_args
+from ssd_eagle.platform import describe
 from ssd_eagle.schema import ConfigModel, add_flags, flags_for, parse_flags
 
 log = logging.getLogger("inference.serve")
@@ -143,7 +144,8 @@ def main(argv: list[str] | None = None) -> int:
     log.info("serving", extra={"fields": {"event": "serving", "host": args.host, "port": args.port,
                                           "model": args.model, "mode": engine.mode_name,
                                           "max_model_len": engine.max_model_len, "max_num_seqs": engine.max_num_seqs,
-                                          "auth": bool(args.api_key)}})
+                                          "auth": bool(args.api_key),
+                                          **describe(engine.target.device, engine.target.dtype)}})
     try:
         server.run()
     finally:  # the engine thread has stopped: releasing the drafter (e.g. SSD's speculator process) is safe now

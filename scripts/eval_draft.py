@@ -19,6 +19,7 @@ from ssd_eagle.config import SpeculativeConfig
 from ssd_eagle.drafters import build_drafter
 from ssd_eagle.engine.llm import LLM, render_chat
 from ssd_eagle.engine.llm_engine import LLMEngine
+from ssd_eagle.platform import DTYPE_HELP, DTYPES, describe_line, resolve_dtype
 from ssd_eagle.prompts import heldout_prompts
 from ssd_eagle.sampling_params import SamplingParams
 
@@ -38,6 +39,7 @@ def evaluate(model, tokenizer, spec: SpeculativeConfig, prompts: list[list[int]]
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=DEFAULT_MODEL)
+    ap.add_argument("--dtype", default="auto", choices=DTYPES, help=DTYPE_HELP)
     ap.add_argument("--draft", action="append", default=[], metavar="METHOD=PATH",
                     help="a draft to evaluate: eagle3=PATH or draft_model=PATH (repeatable)")
     ap.add_argument("--k", type=int, default=5)
@@ -49,7 +51,8 @@ def main() -> None:
     args = ap.parse_args()
 
     torch.set_num_threads(args.threads)
-    model, tokenizer = load_model(args.model)
+    dtype = resolve_dtype(args.dtype, "cpu")
+    model, tokenizer = load_model(args.model, dtype=dtype)
     specs = {"ngram": SpeculativeConfig(method="ngram", num_speculative_tokens=args.k)}
     for item in args.draft:
         method, path = item.split("=", 1)
@@ -61,7 +64,7 @@ def main() -> None:
         for split, prompts in splits.items():
             table[(name, split)] = evaluate(model, tokenizer, spec, prompts, args.max_tokens, args.batch)
             print(name, split, table[(name, split)], flush=True)
-    print(f"\nK={args.k} T=0 max_tokens={args.max_tokens} prompts: "
+    print(f"\n{describe_line('cpu', dtype)}\nK={args.k} T=0 max_tokens={args.max_tokens} prompts: "
           + ", ".join(f"{s}={len(p)}" for s, p in splits.items()))
     print(f"{'draft':50s} {'split':10s} {'tau':>6s} {'accept':>7s}")
     for (name, split), row in table.items():

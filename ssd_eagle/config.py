@@ -17,6 +17,7 @@ from typing import Annotated, Literal
 from pydantic import BeforeValidator, Field, model_validator
 
 from ssd_eagle.assets import DEFAULT_MODEL
+from ssd_eagle.platform import DTYPE_HELP, resolve_dtype
 from ssd_eagle.schema import ConfigModel, Flag, add_flags, flags_for, load_yaml, validated
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
@@ -144,7 +145,7 @@ class EngineConfig(ConfigModel):
 
     model: str = Field(DEFAULT_MODEL, description="target model: local folder, packaged alias or hub id")
     dtype: Literal["auto", "float32", "float64", "bfloat16", "float16"] = Field(
-        "auto", description="auto (float32 on CPU, bfloat16 on GPU), float32, float64, bfloat16 or float16")
+        "auto", description=DTYPE_HELP)
     device: str = Field("cpu", description="target (verifier) device, e.g. cpu or cuda:0")
     mode: Mode = Field("sd", description="ar: autoregressive; sd: speculative decoding; ssd: speculative "
                        "speculative decoding")
@@ -172,11 +173,7 @@ class EngineConfig(ConfigModel):
 
     @property
     def torch_dtype(self):
-        import torch
-
-        if self.dtype == "auto":
-            return torch.float32 if self.device == "cpu" else torch.bfloat16
-        return getattr(torch, self.dtype)
+        return resolve_dtype(self.dtype, self.device)
 
 
 def _default_serving() -> dict:

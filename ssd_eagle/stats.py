@@ -61,7 +61,6 @@ class SpecStats:
     rounds_on_hit: int = 0
     emitted_on_miss: int = 0
     rounds_on_miss: int = 0
-    fallback_rounds: int = 0
     verify_time: float = 0.0
     draft_time: float = 0.0
     prefill_time: float = 0.0
@@ -113,8 +112,8 @@ class SpecStats:
     def merge(self, other: SpecStats) -> SpecStats:
         """Add ``other``'s counters into this one (in place) and return self."""
         for name in ("num_rounds", "num_emitted", "num_drafted", "num_accepted", "cache_lookups", "cache_hits",
-                     "emitted_on_hit", "rounds_on_hit", "emitted_on_miss", "rounds_on_miss", "fallback_rounds",
-                     "verify_time", "draft_time", "prefill_time"):
+                     "emitted_on_hit", "rounds_on_hit", "emitted_on_miss", "rounds_on_miss", "verify_time",
+                     "draft_time", "prefill_time"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         self.accepted_lengths.extend(other.accepted_lengths)
         for mine, theirs in ((self.lookups_per_k, other.lookups_per_k), (self.hits_per_k, other.hits_per_k)):
@@ -138,6 +137,4 @@ class SpecStats:
             out["cache_hit_rate_per_k"] = {
                 k: round(self.hits_per_k.get(k, 0) / n, 4) for k, n in sorted(self.lookups_per_k.items())
             }
-        if self.fallback_rounds:
-            out["fallback_rounds"] = self.fallback_rounds
         return out

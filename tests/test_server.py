@@ -80,7 +80,9 @@ def test_models_and_health(client):
     assert data["data"][0]["max_model_len"] == 256
     assert client.get(f"/v1/models/{MODEL}").json()["id"] == MODEL
     error_of(client.get("/v1/models/other"), 404, "model")
-    assert client.get("/health").json() == {"status": "ok"}
+    health = client.get("/health").json()
+    assert health["status"] == "ok" and health["device"] == "cpu" and health["dtype"] == "float32"
+    assert health["cpu"] and isinstance(health["cpu_flags"], list) and isinstance(health["native_bf16"], bool)
 
 
 def test_completion_response_shape(client):
@@ -392,7 +394,7 @@ def test_health_degraded_when_drafter_unhealthy():
         assert _metric(client.get("/metrics").text, "ssd_eagle_drafter_healthy") == 0
         assert client.post("/v1/completions", json={"prompt": "x", "max_tokens": 3}).status_code == 200
         engine.drafter.healthy = True
-        assert client.get("/health").json() == {"status": "ok"}
+        assert client.get("/health").json()["status"] == "ok"
 
 
 def test_json_logs():
@@ -441,7 +443,7 @@ def test_engine_step_failure_fails_only_in_flight_requests_and_keeps_serving():
         assert events[-1] == "[DONE]" and events[-2]["error"]["code"] == "engine_error"
         ok = client.post("/v1/completions", json={"prompt": "Hey", "max_tokens": 10}).json()
         assert ok["usage"]["completion_tokens"] == 10
-        assert client.get("/health").json() == {"status": "ok"}
+        assert client.get("/health").json()["status"] == "ok"
         text = client.get("/metrics").text
         assert _metric(text, "ssd_eagle_engine_step_errors_total") == 2
         assert _metric(text, "ssd_eagle_requests_total", endpoint="completions", outcome="error") == 1

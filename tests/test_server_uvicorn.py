@@ -152,7 +152,7 @@ def test_errors_through_the_client(server, client):
     for raw, code in ((b"\xff{", "invalid_utf8"), (b"{nope", "invalid_json")):
         response = httpx.post(server.url + "/v1/completions", content=raw, headers=headers, timeout=10)
         assert response.status_code == 400 and response.json()["error"]["code"] == code
-    assert httpx.get(server.url + "/health", timeout=5).json() == {"status": "ok"}
+    assert httpx.get(server.url + "/health", timeout=5).json()["status"] == "ok"
 
 
 def test_disconnect_stops_generation(server):
@@ -176,7 +176,10 @@ def test_json_logs(server, client):
     client.completions.create(model="tiny", prompt="Hey", max_tokens=3)
     logs = server.logs()  # every line is JSON
     assert any(e.get("event") == "request_finished" and e.get("completion_tokens") == 3 for e in logs)
-    assert any(e.get("event") == "serving" for e in logs)
+    serving = next(e for e in logs if e.get("event") == "serving")
+    health = httpx.get(server.url + "/health", timeout=5).json()
+    assert serving["device"] == health["device"] == "cpu" and serving["dtype"] == health["dtype"]
+    assert serving["native_bf16"] == health["native_bf16"] and serving["cpu_flags"] == health["cpu_flags"]
 
 
 def test_sigterm_drains(model_dir, tmp_path):

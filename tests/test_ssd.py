@@ -161,16 +161,16 @@ def test_killing_the_speculator_mid_request_still_completes_it(byte_tokenizer):
 
 def test_a_backup_scales_with_the_miss_fanout_it_is_cached_with(byte_tokenizer, monkeypatch):
     """Saguaro scales the top-(F_k + 1) the speculator caches: a backup (after a miss) uses ``fanout_miss``."""
-    import ssd_eagle.ssd.speculator as speculator_module
+    import ssd_eagle.drafters.chain as chain_module
 
     seen = []
-    original = speculator_module.sample_draft_tokens
+    original = chain_module.sample_draft_tokens
 
     def recording(logits, seqs, position, saguaro=None):
         seen.append((logits.shape[0], saguaro.fanout if saguaro is not None else None))
         return original(logits, seqs, position, saguaro)
 
-    monkeypatch.setattr(speculator_module, "sample_draft_tokens", recording)
+    monkeypatch.setattr(chain_module, "sample_draft_tokens", recording)
     target = make_tiny_llama(seed=3)
     engine = ssd_engine(target, noisy_copy(target, 0.02), byte_tokenizer, max_num_seqs=1, saguaro_c=0.5,
                         fanout=[1], fanout_miss=[3])

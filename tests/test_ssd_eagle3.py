@@ -5,18 +5,22 @@ are cached) to make hits common and misses still possible; the draft's quality i
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
 from helpers import eagle3_head_for, make_tiny_llama, random_prompts, reference_greedy
 from ssd_eagle.config import EngineConfig, SpeculativeConfig
+from ssd_eagle.drafters.backends import Eagle3Backend
+from ssd_eagle.drafters.eagle3 import Eagle3Drafter
+from ssd_eagle.drafters.tree import TreeSettings
 from ssd_eagle.engine.llm import LLM
 from ssd_eagle.engine.llm_engine import LLMEngine
 from ssd_eagle.kv_cache import ForwardBatch
 from ssd_eagle.model_runner import ModelRunner
 from ssd_eagle.sampling_params import SamplingParams
 from ssd_eagle.ssd import build_ssd_drafter
-from ssd_eagle.ssd.backends import Eagle3Backend
 from ssd_eagle.ssd.speculator import Speculator, SpecRequest
 
 K = 3
@@ -30,6 +34,13 @@ def eagle_ssd_engine(target, head, tokenizer, tree: int = 0, fanout=(60,), max_n
     drafter = build_ssd_drafter(cfg, target, draft=head)
     return LLMEngine(target, tokenizer, drafter, num_speculative_tokens=K, max_num_seqs=max_num_seqs,
                      max_model_len=256, max_draft_tokens=spec.max_draft_tokens)
+
+
+def target_aux(target, head, committed: list[int]) -> torch.Tensor:
+    """The target's aux hidden states of every committed token but the last (what the engine sends at prefill)."""
+    runner = ModelRunner(target, 1, 256, aux_layer_ids=head.config.aux_layer_ids)
+    return runner.forward(ForwardBatch.causal([committed[:-1]], [0], [0], torch.float64, "cpu"), capture_aux=True,
+                          compute_logits=False).aux_hidden[0]
 
 
 @pytest.fixture(scope="module")
@@ -61,8 +72,8 @@ def test_a_seeded_round_runs_fewer_drafter_forwards_than_an_unseeded_one(target_
         before = speculator.stats.backup_forwards
         replies = original(requests)
         for reply in replies:
-            if reply.hit is not None:
-                forwards[reply.hit].append(speculator.stats.backup_forwards - before)
+            if reply.cache_hit is not None:
+                forwards[reply.cache_hit].append(speculator.stats.backup_forwards - before)
         return replies
 
     speculator.propose = counting
@@ -86,7 +97,7 @@ def test_eagle3_speculator_state_after_a_miss_equals_a_fresh_computation(target_
         uncached.extend(len(speculator.seqs[r.slot].token_ids) - speculator.seqs[r.slot].num_cached for r in requests)
         replies = original(requests)
         for req, reply in zip(requests, replies):
-            if reply.hit is False and req.budget == K:
+            if reply.cache_hit is False and req.budget == K:
                 misses.append((list(speculator.seqs[req.slot].token_ids), reply.tokens))
         return replies
 
@@ -98,9 +109,45 @@ def test_eagle3_speculator_state_after_a_miss_equals_a_fresh_computation(target_
     # between rounds only the root is uncached: each round re-feeds the new tokens, not all since the prompt
     assert uncached and set(uncached) == {1}
     committed, proposed = misses[-1]
-    runner = ModelRunner(target, 1, 256, aux_layer_ids=head.config.aux_layer_ids)
-    aux = runner.forward(ForwardBatch.causal([committed[:-1]], [0], [0], torch.float64, "cpu"), capture_aux=True,
-                         compute_logits=False).aux_hidden[0]
     fresh = Speculator(Eagle3Backend(head, 1, 256), K, [1] * (K + 1))
-    fresh.add(0, committed, SamplingParams(temperature=0.0), seed=0, aux=aux)
+    fresh.add(0, committed, SamplingParams(temperature=0.0), seed=0, aux=target_aux(target, head, committed))
     assert fresh.propose([SpecRequest(0, -1, 0, K)])[0].tokens == proposed
+
+
+@pytest.mark.parametrize("tree", [None, TreeSettings(6, K, 2)], ids=["chain", "tree"])
+def test_the_sd_drafter_and_the_speculator_backup_draft_alike(tree, target_and_head):
+    """Both draft through the same backend and the same chain and tree functions: from the same committed text
+    and target features they propose the same draft."""
+    target, head = target_and_head
+    committed = [3, 1, 4, 1, 5, 9, 2, 6]
+    aux = target_aux(target, head, committed)
+    params = SamplingParams(temperature=0.0)
+    seq = SimpleNamespace(request_id="a", slot=0, token_ids=committed, params=params, draft_generator=None)
+    drafter = Eagle3Drafter(head, 1, 256, tree=tree)
+    drafter.add_sequence(seq, aux)
+    proposal = drafter.propose([seq], [K])[0]
+    speculator = Speculator(Eagle3Backend(head, 1, 256), K, [1] * (K + 1), tree=tree)
+    speculator.add(0, committed, params, seed=0, aux=aux)
+    reply = speculator.propose([SpecRequest(0, -1, 0, K)])[0]
+    assert len(proposal.tokens) == (K if tree is None else 6)
+    assert (reply.tokens, reply.parents) == (proposal.tokens, proposal.parents)
+
+
+def test_a_cached_branch_chain_carries_the_head_outputs_it_was_sampled_from(target_and_head):
+    """``Proposal.hidden[t]`` is the head's output at token t's parent, the feature paired with token t when the
+    proposal is fed back. The speculator's branch chains once stored the feature one position earlier."""
+    target, head = target_and_head
+    committed = [7, 7, 1, 2, 3, 9]
+    speculator = Speculator(Eagle3Backend(head, 1, 256), K, [2] * (K + 1))
+    speculator.add(0, committed, SamplingParams(temperature=0.0), seed=0, aux=target_aux(target, head, committed))
+    speculator.propose([SpecRequest(0, -1, 0, K)])
+    outputs = []
+    step = speculator.backend.step
+    speculator.backend.step = lambda *args: outputs.append(step(*args)) or outputs[-1]
+    speculator.build()
+    cached = list(speculator.seqs[0].cache.values())  # branch i of the only row, in branch order
+    assert len(outputs) == K and len(cached) == 2 * (K + 1)
+    for i, chain in enumerate(cached):
+        for t, (logits, hidden) in enumerate(outputs):
+            assert chain.tokens[t] == int(logits[0, i].argmax())
+            torch.testing.assert_close(chain.hidden[t], hidden[0, i], rtol=0, atol=0)

@@ -33,7 +33,8 @@ from torch import nn
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
 from ssd_eagle.io import atomic_write
-from ssd_eagle.models.draft_lm import COMPACT_WEIGHTS, EMBED_NAME, HEAD_NAME, assemble_draft_lm, embedding_digest
+from ssd_eagle.models.draft_lm import (COMPACT_WEIGHTS, DIGEST_KEY, EMBED_NAME, HEAD_NAME, assemble_draft_lm,
+                                       embedding_digest)
 
 
 def _text_config(config):
@@ -189,7 +190,7 @@ def save_draft_lm(config: LlamaConfig, trained: dict[str, torch.Tensor], out_dir
             doc["ssd_eagle"] = {"shared_from_target": {
                 "tensors": [EMBED_NAME] + ([] if config.tie_word_embeddings else [HEAD_NAME]),
                 "target": target_name,
-                "embed_sha256": embedding_digest(target.get_input_embeddings().weight)}}
+                DIGEST_KEY: embedding_digest(target.get_input_embeddings().weight)}}
             (tmp / "config.json").write_text(json.dumps(doc, indent=2) + "\n")
             tensors = {k: v.detach().to("cpu", dtype).contiguous() for k, v in trained.items()}
             save_file(tensors, str(tmp / COMPACT_WEIGHTS), metadata={"format": "pt"})

@@ -27,16 +27,19 @@ import torch
 
 @dataclass
 class Proposal:
-    """Draft tokens for one sequence.
+    """Draft tokens for one sequence: what a drafter returns, the speculator caches and replies, and the engine
+    verifies (the one proposal type, end to end).
 
     Attributes:
         tokens: the proposed ids ``d_1..d_k`` (k may be 0); for a tree, the node tokens (node i = tokens[i-1]).
         q: float [k, V_target], the distributions the tokens were sampled from, or None for point masses
             (chains only; tree children are deterministic choices, verified by sample-and-match).
-        parents: None for a chain; for a tree, the parent of each node (0 = the last committed token), parents
-            listed before their children.
         cache_hit: SSD only: whether this proposal came from the speculation cache (None: no lookup happened).
         lookup_k: SSD only: the accepted length k that was looked up.
+        parents: None for a chain; for a tree, the parent of each node (0 = the last committed token), parents
+            listed before their children.
+        hidden: EAGLE-3 only, the draft's side: float [k, H_draft], the head's output at each node's parent (the
+            feature paired with the node's token when it is fed back). Never sent to the verifier.
     """
 
     tokens: list[int]
@@ -44,6 +47,26 @@ class Proposal:
     cache_hit: bool | None = None
     lookup_k: int | None = None
     parents: list[int] | None = None
+    hidden: torch.Tensor | None = None
+
+    def parent_list(self) -> list[int]:
+        """Each node's parent (0 = the root), for a chain ``[0, 1, ..., k-1]``."""
+        return self.parents if self.parents is not None else list(range(len(self.tokens)))
+
+    def cut(self, budget: int) -> Proposal:
+        """At most ``budget`` tokens of a chain; a tree keeps the nodes at depth <= ``budget``."""
+        if self.parents is None:
+            return Proposal(self.tokens[:budget], None if self.q is None else self.q[:budget], self.cache_hit,
+                            self.lookup_k, None, None if self.hidden is None else self.hidden[:budget])
+        depth, keep, new_id = [0], [], {0: 0}
+        for i, p in enumerate(self.parents, start=1):
+            depth.append(depth[p] + 1)
+            if depth[i] <= budget and p in new_id:
+                new_id[i] = len(keep) + 1
+                keep.append(i)
+        return Proposal([self.tokens[i - 1] for i in keep], None, self.cache_hit, self.lookup_k,
+                        [new_id[self.parents[i - 1]] for i in keep],
+                        None if self.hidden is None else self.hidden[[i - 1 for i in keep]])
 
 
 class Drafter(ABC):
@@ -86,35 +109,3 @@ class SaguaroSampling:
 
     def fanout_at(self, position: int) -> int:
         return self.fanout[min(position, len(self.fanout) - 1)]
-
-
-def sample_draft_tokens(logits: torch.Tensor, seqs: list, position: int,
-                        saguaro: SaguaroSampling | None = None) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
-    """Pick the next draft token of every row and report the q it was drawn from.
-
-    Greedy rows take the argmax (q None: a point mass). Sampled rows draw from
-    ``saguaro_scale(logits_to_probs(logits), C, F_position)`` with the sequence's ``draft_generator``.
-
-    Args:
-        logits: float [B, V_target] draft logits in the target's vocabulary (-inf outside a reduced vocabulary).
-        seqs: the B sequences (for sampling params and generators).
-        position: index of this draft token in the chain (selects F_k).
-
-    Returns:
-        (tokens int64 [B], q: B entries, each float [V_target] or None).
-    """
-    from ssd_eagle.sampling import SamplingTensors, logits_to_probs, sample
-    from ssd_eagle.verify import saguaro_scale
-
-    tokens = logits.argmax(dim=-1)
-    qs: list[torch.Tensor | None] = [None] * len(seqs)
-    rows = [i for i, s in enumerate(seqs) if not s.params.greedy]
-    if rows:
-        st = SamplingTensors.from_params([seqs[i].params for i in rows], logits.device)
-        q = logits_to_probs(logits[rows], st)
-        if saguaro is not None and saguaro.c < 1.0:
-            q = saguaro_scale(q, saguaro.c, saguaro.fanout_at(position))
-        tokens[rows] = sample(q, [seqs[i].draft_generator for i in rows])
-        for j, i in enumerate(rows):
-            qs[i] = q[j]
-    return tokens, qs

@@ -13,10 +13,12 @@ Children are deterministic choices (top-k), never samples from q: the verifier c
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Callable
+from dataclasses import dataclass
 
 import torch
+
+from ssd_eagle.drafters.backends import DraftBackend
+from ssd_eagle.drafters.base import Proposal
 
 
 @dataclass
@@ -33,38 +35,14 @@ class TreeSettings:
                              f"{self.topk}")
 
 
-@dataclass
-class DraftTree:
-    """A proposal tree: node i (1-based) has token ``tokens[i-1]``, parent ``parents[i-1]`` (0 = root) and
-    cumulative draft log-probability ``scores[i-1]``; parents come before children. ``features[i-1]`` is the
-    draft's output at the node's parent (what an EAGLE-3 head pairs with the node's token), when the draft has
-    outputs."""
-
-    tokens: list[int] = field(default_factory=list)
-    parents: list[int] = field(default_factory=list)
-    scores: list[float] = field(default_factory=list)
-    features: list[torch.Tensor] | None = None
-
-    @property
-    def depth(self) -> int:
-        d = [0]
-        for p in self.parents:
-            d.append(d[p] + 1)
-        return max(d)
-
-
-# step(tokens [B, F], features [B, F, H] | None, positions [B, F], write [B, F], visible [B, F, S])
-#   -> (logits [B, F, V] in the target vocabulary, outputs [B, F, H] | None)
-StepFn = Callable[..., tuple[torch.Tensor, torch.Tensor | None]]
-
-
-def grow_trees(step: StepFn, root_logits: torch.Tensor, root_hidden: torch.Tensor | None,
+def grow_trees(backend: DraftBackend, slots: list[int], root_logits: torch.Tensor, root_hidden: torch.Tensor | None,
                base_visible: torch.Tensor, region_start: list[int], root_position: list[int],
-               settings: TreeSettings, max_depth: list[int]) -> list[DraftTree]:
-    """Grow one dynamic tree per row.
+               settings: TreeSettings, max_depth: list[int]) -> list[Proposal]:
+    """Grow one dynamic tree per row, one :meth:`~ssd_eagle.drafters.backends.DraftBackend.step` of width
+    ``topk`` per level. Positions are the draft's cache positions (:mod:`ssd_eagle.drafters.backends`).
 
     Args:
-        step: runs one tree-masked draft forward (see ``StepFn``) for all rows.
+        backend: the draft; slots: the R rows' cache slots (a slot may repeat: several trees of one sequence).
         root_logits: [R, V] draft logits after the root (the last committed or predicted token).
         root_hidden: [R, H] the draft's output at the root (EAGLE-3 pairs it with the depth-1 tokens), or None.
         base_visible: bool [R, S0], cache positions every node of the row may see (committed prefix, and the
@@ -74,7 +52,8 @@ def grow_trees(step: StepFn, root_logits: torch.Tensor, root_hidden: torch.Tenso
         settings: tree shape; ``max_depth`` caps each row's depth (its token budget).
 
     Returns:
-        One :class:`DraftTree` per row (empty when ``max_depth`` is 0).
+        One tree :class:`~ssd_eagle.drafters.base.Proposal` per row (``hidden``: the draft's output at each
+        node's parent, when the draft has outputs); an empty chain where ``max_depth`` is 0.
     """
     R = root_logits.shape[0]
     k = settings.topk
@@ -110,7 +89,7 @@ def grow_trees(step: StepFn, root_logits: torch.Tensor, root_hidden: torch.Tenso
                     visible[r, j, frontier[r][j][2]] = True
                 visible[r, j, write[r, j]] = True
         positions = torch.tensor(root_position)[:, None].expand(R, k) + d
-        logits, hidden = step(tokens, feats, positions, write, visible)
+        logits, hidden = backend.step(slots, tokens, positions, write, visible, feats)
         top = torch.log_softmax(logits.float(), dim=-1).topk(k, dim=-1)
         new_frontier: list[list[tuple[int, float, list[int]]]] = [[] for _ in range(R)]
         parent_col = torch.zeros(R, k, dtype=torch.long)
@@ -132,8 +111,21 @@ def grow_trees(step: StepFn, root_logits: torch.Tensor, root_hidden: torch.Tenso
     return [_select(pool, settings.budget) for pool in pools]
 
 
-def _select(pool: list[tuple], budget: int) -> DraftTree:
+def grow_after_committed(backend: DraftBackend, slots: list[int], lengths: list[int], root_logits: torch.Tensor,
+                         root_hidden: torch.Tensor | None, settings: TreeSettings,
+                         max_depth: list[int]) -> list[Proposal]:
+    """:func:`grow_trees` rooted at each row's last committed token (``lengths[r]`` committed tokens, all in the
+    draft's cache): the nodes see the committed text, the region starts right after it."""
+    committed = torch.tensor(lengths) - backend.offset  # cache positions of the committed text
+    base = torch.arange(int(committed.max()))[None, :] < committed[:, None]
+    return grow_trees(backend, slots, root_logits, root_hidden, base, committed.tolist(),
+                      (committed - 1).tolist(), settings, max_depth)
+
+
+def _select(pool: list[tuple], budget: int) -> Proposal:
     """The ``budget`` best nodes (ancestor-closed), ordered by depth, with parents re-indexed."""
+    if not pool:
+        return Proposal([])
     order = sorted(range(len(pool)), key=lambda i: (-pool[i][0], pool[i][3], i))[:budget]
     chosen = set(order)
     for i in list(order):  # ties can drop an ancestor: add it back
@@ -143,14 +135,6 @@ def _select(pool: list[tuple], budget: int) -> DraftTree:
             parent = pool[parent - 1][2]
     keep = sorted(chosen, key=lambda i: (pool[i][3], -pool[i][0], i))
     new_id = {old + 1: new + 1 for new, old in enumerate(keep)}
-    tree = DraftTree()
-    features = []
-    for i in keep:
-        score, token, parent, _, feature = pool[i]
-        tree.tokens.append(token)
-        tree.parents.append(new_id.get(parent, 0))
-        tree.scores.append(score)
-        features.append(feature)
-    if features and features[0] is not None:
-        tree.features = features
-    return tree
+    features = [pool[i][4] for i in keep]
+    return Proposal([pool[i][1] for i in keep], parents=[new_id.get(pool[i][2], 0) for i in keep],
+                    hidden=torch.stack(features) if features[0] is not None else None)

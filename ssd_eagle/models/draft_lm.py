@@ -20,9 +20,48 @@ EMBED_NAME = "model.embed_tokens.weight"
 HEAD_NAME = "lm_head.weight"
 
 
+DIGEST_KEY = "embed_sha256_bf16"  # the identity a compact export records (``ssd_eagle.shared_from_target``)
+LEGACY_DIGEST_KEY = "embed_sha256"  # older exports: SHA-256 of the float32 bytes (only a float32/float64 target)
+
+
 def embedding_digest(weight: torch.Tensor) -> str:
-    """SHA-256 of a tensor's float32 bytes (identifies the target embedding a compact draft LM needs)."""
+    """SHA-256 of the table rounded to bfloat16 (identifies the target embedding a compact draft LM needs).
+
+    The same checkpoint loaded in float32, float64 or bfloat16 gives the same digest: rounding to bfloat16 is
+    exact on a float32 -> float64 widening and idempotent on a table already rounded to bfloat16. (A float16 load
+    rounds first to float16, which can move a value to the other side of a bfloat16 rounding boundary.)
+
+    Args:
+        weight: float [vocab, hidden], any float dtype, any device.
+    """
+    bits = weight.detach().to("cpu").to(torch.bfloat16).contiguous().view(torch.int16)
+    return hashlib.sha256(bits.numpy().tobytes()).hexdigest()
+
+
+def _legacy_digest(weight: torch.Tensor) -> str:
     return hashlib.sha256(weight.detach().to("cpu", torch.float32).contiguous().numpy().tobytes()).hexdigest()
+
+
+def check_target_embeddings(path: Path, shared: dict, target) -> None:
+    """Check that ``target`` supplies the embedding table the compact draft at ``path`` was trained with.
+
+    Raises:
+        ValueError: the digests differ, or only a legacy float32 digest is recorded and the target's weights are
+            neither float32 nor float64 (that digest cannot be recomputed from a rounded table).
+    """
+    weight = target.get_input_embeddings().weight
+    if shared.get(DIGEST_KEY) is not None:
+        expected, found = shared[DIGEST_KEY], embedding_digest(weight)
+    elif shared.get(LEGACY_DIGEST_KEY) is not None:
+        if weight.dtype not in (torch.float32, torch.float64):
+            raise ValueError(f"{path} records only a float32 digest of its target's embeddings ({LEGACY_DIGEST_KEY}), "
+                             f"which a {weight.dtype} target cannot reproduce: load the target in float32, or add "
+                             f"{DIGEST_KEY} (ssd_eagle.models.draft_lm.embedding_digest) to its config.json")
+        expected, found = shared[LEGACY_DIGEST_KEY], _legacy_digest(weight)
+    else:
+        return
+    if expected != found:
+        raise ValueError(f"{path} was trained with another target's embeddings (sha256 {expected} != {found})")
 
 
 def assemble_draft_lm(config: LlamaConfig, trained: dict[str, torch.Tensor], target,
@@ -75,10 +114,7 @@ def load_draft_lm(path: str | os.PathLike, target=None, dtype: torch.dtype = tor
         raise ValueError(f"{path} is a compact draft LM: pass the target model that supplies its embeddings")
     doc = json.loads((path / "config.json").read_text())
     shared = doc.pop("ssd_eagle", {}).get("shared_from_target", {})
-    digest = embedding_digest(target.get_input_embeddings().weight)
-    if shared.get("embed_sha256") not in (None, digest):
-        raise ValueError(f"{path} was trained with another target's embeddings (sha256 "
-                         f"{shared.get('embed_sha256')} != {digest})")
+    check_target_embeddings(path, shared, target)
     for key in ("architectures", "model_type", "transformers_version", "torch_dtype", "dtype"):
         doc.pop(key, None)
     config = LlamaConfig(**doc)

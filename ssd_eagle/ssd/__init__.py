@@ -2,7 +2,7 @@
 
 - :mod:`~ssd_eagle.ssd.fanout`: geometric fan-out, the power-law fitter and the expected-value theory.
 - :mod:`~ssd_eagle.ssd.speculator`: the speculation cache, outcome prediction, branch drafting, backups.
-- :mod:`~ssd_eagle.ssd.backends`: the drafts a speculator runs (a draft LM, an EAGLE-3 head).
+- the drafts a speculator runs are the SD drafters' own (:mod:`ssd_eagle.drafters.backends`).
 - :mod:`~ssd_eagle.ssd.transport`, :mod:`~ssd_eagle.ssd.worker`: the speculator's own process and its messages.
 - :mod:`~ssd_eagle.ssd.client`: the verifier's side, a drafter with fallback to ordinary decoding.
 """

@@ -21,7 +21,7 @@ import torch.multiprocessing as mp
 
 from ssd_eagle.drafters.base import Drafter, Proposal
 from ssd_eagle.ssd import transport as t
-from ssd_eagle.ssd.speculator import SpecReply, SpecRequest
+from ssd_eagle.ssd.speculator import SpecRequest
 from ssd_eagle.ssd.worker import SpeculatorSettings, build_speculator, decode_replies, worker_main
 
 log = logging.getLogger(__name__)
@@ -36,7 +36,7 @@ class LocalSpeculator:
     def add(self, slot, token_ids, params, seed, aux) -> None:
         self.speculator.add(slot, token_ids, params, seed, aux)
 
-    def propose(self, requests: list[SpecRequest]) -> list[SpecReply]:
+    def propose(self, requests: list[SpecRequest]) -> list[Proposal]:
         replies = self.speculator.propose(requests)
         self.speculator.build()
         return replies
@@ -97,7 +97,7 @@ class RemoteSpeculator:
         ints, floats = ints.to(self.channel.device), floats.to(self.channel.device)
         self._send(t.ADD, ints, floats)
 
-    def propose(self, requests: list[SpecRequest]) -> list[SpecReply]:
+    def propose(self, requests: list[SpecRequest]) -> list[Proposal]:
         self._check_alive()
         ints = torch.tensor([len(requests)] + [v for r in requests for v in (r.slot, r.num_accepted, r.bonus,
                                                                                 r.budget)]
@@ -203,11 +203,7 @@ class SSDDrafter(Drafter):
             return [Proposal([]) for _ in seqs]
         proposals = [Proposal([]) for _ in seqs]
         for i, r in zip(rows, replies):
-            if r.parents is not None:  # a tree (the speculator cut it to the budget's depth)
-                proposals[i] = Proposal(r.tokens, cache_hit=r.hit, lookup_k=r.lookup_k, parents=r.parents)
-            else:
-                proposals[i] = Proposal(r.tokens[: num_tokens[i]], None if r.q is None else r.q[: num_tokens[i]],
-                                        cache_hit=r.hit, lookup_k=r.lookup_k)
+            proposals[i] = r.cut(num_tokens[i])  # (a tree is already cut to the budget's depth)
         return proposals
 
     def on_verified(self, seq, num_accepted: int, aux) -> None:

@@ -26,17 +26,19 @@ Saguaro scaling and fan-out.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
 
-from ssd_eagle.drafters.base import SaguaroSampling, sample_draft_tokens
+from ssd_eagle.drafters.backends import DraftBackend
+from ssd_eagle.drafters.base import Proposal, SaguaroSampling
+from ssd_eagle.drafters.chain import draft_chain
+from ssd_eagle.drafters.neural import draft_from_committed
 from ssd_eagle.drafters.ngram import lookup_continuation
 from ssd_eagle.drafters.tree import TreeSettings, grow_trees
 from ssd_eagle.kv_cache import ForwardBatch
 from ssd_eagle.sampling_params import SamplingParams
-from ssd_eagle.ssd.backends import DraftBackend
 from ssd_eagle.ssd.fanout import largest_remainder
 
 
@@ -62,44 +64,6 @@ class SpecRequest:
 
 
 @dataclass
-class SpecReply:
-    """A proposal for one row: tokens (and tree parents), the q they were sampled from (None: deterministic), and
-    whether the speculation cache answered (None when there was no lookup)."""
-
-    tokens: list[int]
-    q: torch.Tensor | None = None
-    hit: bool | None = None
-    lookup_k: int | None = None
-    parents: list[int] | None = None
-
-
-@dataclass
-class _Draft:
-    tokens: list[int]
-    q: torch.Tensor | None = None  # [m, V] (chains only)
-    hidden: torch.Tensor | None = None  # EAGLE-3: [m, H], the draft's output at each node's parent
-    parents: list[int] | None = None  # None: a chain
-
-    def parent_list(self) -> list[int]:
-        return self.parents if self.parents is not None else list(range(len(self.tokens)))
-
-    def cut(self, budget: int) -> _Draft:
-        """At most ``budget`` tokens of a chain; a tree keeps the nodes at depth <= budget."""
-        if self.parents is None:
-            return _Draft(self.tokens[:budget], None if self.q is None else self.q[:budget],
-                          None if self.hidden is None else self.hidden[:budget])
-        depth, keep, new_id = [0], [], {0: 0}
-        for i, p in enumerate(self.parents, start=1):
-            depth.append(depth[p] + 1)
-            if depth[i] <= budget and p in new_id:
-                new_id[i] = len(keep) + 1
-                keep.append(i)
-        return _Draft([self.tokens[i - 1] for i in keep], None,
-                      None if self.hidden is None else self.hidden[[i - 1 for i in keep]],
-                      [new_id[self.parents[i - 1]] for i in keep])
-
-
-@dataclass
 class _Seq:
     slot: int
     token_ids: list[int]
@@ -107,9 +71,9 @@ class _Seq:
     draft_generator: torch.Generator
     num_cached: int = 0  # first token position whose draft cache entry is not valid for the committed text
     pending: torch.Tensor | None = None  # EAGLE-3 features of token positions num_cached .. len(token_ids) - 1
-    proposal: _Draft | None = None
+    proposal: Proposal | None = None  # the last reply, with the draft's outputs (EAGLE-3)
     path_base: int = 0  # len(token_ids) when the proposal was made
-    cache: dict[tuple[tuple[int, ...], int], _Draft] = field(default_factory=dict)
+    cache: dict[tuple[tuple[int, ...], int], Proposal] = field(default_factory=dict)
     candidates: dict[tuple[int, ...], list[int]] = field(default_factory=dict)  # per accepted path, best first
 
 
@@ -130,7 +94,7 @@ class Speculator:
     """Speculation cache, outcome prediction, branch drafting and backups for many sequences.
 
     Args:
-        backend: the draft (:mod:`ssd_eagle.ssd.backends`).
+        backend: the draft (:mod:`ssd_eagle.drafters.backends`, the SD drafters' own).
         num_speculative_tokens: K (chain length, or the depth cap of trees).
         fanout: F_0..F_K used after a hit (and after the first round); for trees its sum is the budget B.
         fanout_miss: F_0..F_K used after a miss (default: ``fanout``).
@@ -185,10 +149,10 @@ class Speculator:
 
     # a round
     @torch.inference_mode()
-    def propose(self, requests: list[SpecRequest]) -> list[SpecReply]:
+    def propose(self, requests: list[SpecRequest]) -> list[Proposal]:
         """Commit each row's outcome, answer from the speculation cache or the backup, and remember what to
         build. Call :meth:`build` after the reply has gone out."""
-        replies: list[SpecReply | None] = [None] * len(requests)
+        replies: list[Proposal | None] = [None] * len(requests)
         misses: list[int] = []
         self._to_build = []
         for i, req in enumerate(requests):
@@ -199,7 +163,7 @@ class Speculator:
                 replies[i] = self._reply(seq, seq.cache[self._key(seq, req)].cut(req.budget), True, lookup_k)
             else:
                 misses.append(i)
-                replies[i] = SpecReply([], hit=hit, lookup_k=lookup_k)
+                replies[i] = Proposal([], cache_hit=hit, lookup_k=lookup_k)
             seq.cache = {}
             self._to_build.append((seq, hit is False))
         if misses:
@@ -208,7 +172,7 @@ class Speculator:
             budgets = [requests[i].budget for i in misses]
             drafts = self._fast_backup(rows, budgets) if fast else self._neural_backup(rows, budgets)
             for i, seq, draft in zip(misses, rows, drafts):
-                replies[i] = self._reply(seq, draft, replies[i].hit, replies[i].lookup_k)
+                replies[i] = self._reply(seq, draft, replies[i].cache_hit, replies[i].lookup_k)
         return replies
 
     def _key(self, seq: _Seq, req: SpecRequest) -> tuple[tuple[int, ...], int]:
@@ -221,8 +185,7 @@ class Speculator:
         proposal = seq.proposal
         seq.token_ids.extend(list(path) + [bonus])
         if self.backend.needs_aux:
-            new = self.backend.fuse(req.aux)
-            seq.pending = new if seq.pending is None else torch.cat([seq.pending, new])
+            seq.pending = self.backend.append_features(seq.pending, req.aux)
         elif proposal is not None:
             # the accepted path is cached where it lies only for a chain (trees are fed again)
             seq.num_cached = seq.path_base + (len(path) if proposal.parents is None else 0)
@@ -234,113 +197,33 @@ class Speculator:
         self.stats.hits += hit
         return hit
 
-    def _reply(self, seq: _Seq, draft: _Draft, hit: bool | None, lookup_k: int | None) -> SpecReply:
+    def _reply(self, seq: _Seq, draft: Proposal, hit: bool | None, lookup_k: int | None) -> Proposal:
+        """Remember ``draft`` as the row's proposal; the reply is a copy without the draft's outputs."""
         seq.proposal = draft
         seq.path_base = len(seq.token_ids)
-        return SpecReply(list(draft.tokens), draft.q, hit, lookup_k, draft.parents)
+        return replace(draft, tokens=list(draft.tokens), cache_hit=hit, lookup_k=lookup_k, hidden=None)
 
     # backups
-    def _fast_backup(self, rows: list[_Seq], budgets: list[int]) -> list[_Draft]:
+    def _fast_backup(self, rows: list[_Seq], budgets: list[int]) -> list[Proposal]:
         min_n, max_n = self.prompt_lookup
-        return [_Draft(lookup_continuation(np.asarray(s.token_ids, dtype=np.int64), b, min_n, max_n))
+        return [Proposal(lookup_continuation(np.asarray(s.token_ids, dtype=np.int64), b, min_n, max_n))
                 for s, b in zip(rows, budgets)]
 
-    def _neural_backup(self, rows: list[_Seq], budgets: list[int]) -> list[_Draft]:
+    def _neural_backup(self, rows: list[_Seq], budgets: list[int]) -> list[Proposal]:
         """Draft from the committed text now: one forward over the uncached tokens (fresh target features for
         EAGLE-3), then a chain (one forward per token) or a dynamic tree. Writes only past the committed cache."""
-        drafts = [_Draft([]) for _ in rows]
+        drafts = [Proposal([]) for _ in rows]
         active = [i for i, b in enumerate(budgets) if b > 0]
         if not active:
             return drafts
         seqs = [rows[i] for i in active]
-        chunks = [s.token_ids[s.num_cached:] for s in seqs]
-        feats = [s.pending for s in seqs] if self.backend.needs_aux else None
-        logits, hidden = self._run(seqs, chunks, [s.num_cached for s in seqs], feats, last_only=True)
-        self.stats.backup_forwards += 1
-        if self.tree is not None:
-            trees = self._grow(seqs, logits, hidden, [budgets[i] for i in active], after_committed=True)
-            for i, tree in zip(active, trees):
-                drafts[i] = tree
-            return drafts
-        chains = self._chains(seqs, logits, hidden, [budgets[i] for i in active],
-                              lambda idx, toks, starts, f: self._run([seqs[j] for j in idx], [[t] for t in toks],
-                                                                     starts, f, last_only=True), self.saguaro_miss)
-        for i, chain in zip(active, chains):
-            drafts[i] = chain
+        before = self.backend.forwards
+        out = draft_from_committed(self.backend, seqs, [s.num_cached for s in seqs], [s.pending for s in seqs],
+                                   [budgets[i] for i in active], self.saguaro_miss, self.tree)
+        self.stats.backup_forwards += self.backend.forwards - before
+        for i, draft in zip(active, out):
+            drafts[i] = draft
         return drafts
-
-    def _chains(self, seqs, logits, hidden, budgets, step, saguaro: SaguaroSampling | None) -> list[_Draft]:
-        """Sample chains of ``budgets[r]`` tokens from the draft, one ``step`` (forward) per further token, with
-        ``saguaro`` scaling."""
-        out = [_Draft([]) for _ in seqs]
-        qs: list[list[torch.Tensor]] = [[] for _ in seqs]
-        hs: list[list[torch.Tensor]] = [[] for _ in seqs]
-        active = list(range(len(seqs)))
-        for position in range(max(budgets)):
-            tokens, q = sample_draft_tokens(logits, [seqs[r] for r in active], position, saguaro)
-            for j, r in enumerate(active):
-                out[r].tokens.append(int(tokens[j]))
-                if q[j] is not None:
-                    qs[r].append(q[j])
-                if hidden is not None:
-                    hs[r].append(hidden[j])
-            keep = [j for j, r in enumerate(active) if len(out[r].tokens) < budgets[r]]
-            if not keep:
-                break
-            active = [active[j] for j in keep]
-            starts = [len(seqs[r].token_ids) - 1 + len(out[r].tokens) for r in active]
-            feats = [hidden[j: j + 1] for j in keep] if hidden is not None else None
-            logits, hidden = step(active, [out[r].tokens[-1] for r in active], starts, feats)
-            self.stats.backup_forwards += 1
-        for r, d in enumerate(out):
-            d.q = torch.stack(qs[r]) if qs[r] else None
-            d.hidden = torch.stack(hs[r]) if hs[r] else None
-        return out
-
-    def _grow(self, seqs: list[_Seq], logits, hidden, budgets: list[int], after_committed: bool) -> list[_Draft]:
-        """Dynamic trees from the committed text (rooted at the last committed token)."""
-        b = self.backend
-        n = torch.tensor([len(s.token_ids) for s in seqs])
-        kv_committed = n - b.offset  # cache positions of the committed text
-        base = torch.arange(int(kv_committed.max()))[None, :] < kv_committed[:, None]
-        slots = [s.slot for s in seqs]
-
-        def step(tokens, feats, positions, write, visible):
-            self.stats.backup_forwards += 1
-            return self._tree_step(slots, tokens, feats, positions, write, visible)
-
-        trees = grow_trees(step, logits, hidden, base, kv_committed.tolist(), (n - 1 - b.offset).tolist(),
-                           self.tree, budgets)
-        return [_Draft(t.tokens, None, torch.stack(t.features) if t.features else None, t.parents) for t in trees]
-
-    def _tree_step(self, slots, tokens, feats, positions, write, visible):
-        b = self.backend
-        batch = ForwardBatch.build(tokens, positions, write, slots, visible, b.dtype, b.device,
-                                   [tokens.shape[1]] * len(slots))
-        return b.forward(batch, feats)
-
-    def _run(self, rows: list[_Seq], tokens: list[list[int]], starts: list[int], features: list | None,
-             last_only: bool):
-        """Causal forward of ``tokens[b]`` at token positions ``starts[b]..``; returns logits (and outputs) at
-        every position, or at each row's last position when ``last_only``."""
-        b = self.backend
-        batch = ForwardBatch.causal(tokens, [r.slot for r in rows], [s - b.offset for s in starts], b.dtype,
-                                    b.device)
-        logits, hidden = b.forward(batch, self._pad_features(features, batch.input_ids.shape[1]))
-        if not last_only:
-            return logits, hidden
-        last = torch.tensor([len(t) - 1 for t in tokens], device=logits.device)
-        rows_idx = torch.arange(len(rows), device=logits.device)
-        return logits[rows_idx, last], (hidden[rows_idx, last] if hidden is not None else None)
-
-    def _pad_features(self, features: list | None, n: int) -> torch.Tensor | None:
-        b = self.backend
-        if not b.needs_aux:
-            return None
-        out = torch.zeros(len(features), n, b.hidden_size, dtype=b.dtype, device=b.device)
-        for row, f in enumerate(features):
-            out[row, : f.shape[0]] = f
-        return out
 
     # building the speculation cache
     @torch.inference_mode()
@@ -389,8 +272,7 @@ class Speculator:
                     hid = seq.pending[-1:].expand(m, -1)
                 feats.append(torch.cat([seq.pending, hid[:m]]))
         batch = ForwardBatch.tree(roots, nodes, parents, [s.slot for s in seqs], starts, b.dtype, b.device)
-        logits, hidden = b.forward(batch, self._pad_features(feats, batch.input_ids.shape[1]) if b.needs_aux
-                                   else None)
+        logits, hidden = b.forward(batch, b.pad_features(feats, batch.input_ids.shape[1]) if b.needs_aux else None)
         out_logits, out_hidden, out_kv = [], [] if hidden is not None else None, []
         for r, seq in enumerate(seqs):
             first = len(seq.token_ids) - 1 - seq.num_cached  # the root's index in the chunk
@@ -429,7 +311,7 @@ class Speculator:
                                  "feature": None if hidden is None else hidden[u]})
         return branches
 
-    def _node_fanout(self, proposal: _Draft, logits, depth, children, missed: bool) -> list[int]:
+    def _node_fanout(self, proposal: Proposal, logits, depth, children, missed: bool) -> list[int]:
         fan = self.fanout_miss if missed else self.fanout
         if proposal.parents is None:  # a chain: F by depth, the all-accepted outcome gets F_K
             m = len(proposal.tokens)
@@ -468,37 +350,31 @@ class Speculator:
         return tokens, root_pos, base, feats, region, F
 
     def _draft_branch_chains(self, seqs: list[_Seq], branches: list[list[dict]]) -> None:
-        """K tokens for every branch: K tree-masked forwards over all branches of all rows at once."""
+        """K tokens for every branch: K tree-masked forwards over all branches of all rows at once. Branch i of
+        row r writes its root at cache position ``region_r + i`` and its token of chain index j at
+        ``region_r + (j + 1) * F + i``; it sees the committed text, the path to its node and its own writes."""
         tokens, positions, base, feats, region, F = self._branch_batch(seqs, branches)
         B = len(seqs)
         slots = [s.slot for s in seqs]
         branch_idx = torch.arange(F)[None, :]
-        gen_seqs = [seqs[r] for r in range(B) for _ in range(F)]
-        out_tokens, out_q, out_h = [], [], []
-        for t in range(self.K):
-            write = region + t * F + branch_idx  # [B, F]
-            kv_len = max(int(write.max()) + 1, base.shape[-1])
-            cols = torch.arange(kv_len)[None, None, :]
-            own = (cols >= region[..., None]) & ((cols - region[..., None]) % F == branch_idx[..., None]) & \
+
+        def feed(rows, toks: torch.Tensor, hidden: torch.Tensor | None, index: int):
+            """The draft_chain feed over all B * F branches: their tokens of chain index ``index`` (-1: the roots)."""
+            write = region + (index + 1) * F + branch_idx  # [B, F]
+            cols = torch.arange(max(int(write.max()) + 1, base.shape[-1]))[None, None, :]
+            visible = (cols >= region[..., None]) & ((cols - region[..., None]) % F == branch_idx[..., None]) & \
                 (cols <= write[..., None])
-            visible = own.clone()
             visible[..., : base.shape[-1]] |= base
-            logits, hidden = self._tree_step(slots, tokens, feats, positions + t, write, visible)
-            nxt, qs = sample_draft_tokens(logits.reshape(B * F, -1), gen_seqs, t, self.saguaro)
-            tokens = nxt.view(B, F).cpu()
-            out_tokens.append(tokens)
-            out_q.append(qs)
-            if hidden is not None:
-                out_h.append(feats)  # the output each token was sampled from (its parent's)
-                feats = hidden
-        toks = torch.stack(out_tokens, dim=-1)  # [B, F, K]
-        hids = torch.stack(out_h, dim=2) if out_h else None  # [B, F, K, H]
+            logits, out = self.backend.step(slots, toks.view(B, F).cpu(), positions + index + 1, write, visible,
+                                            None if hidden is None else hidden.view(B, F, -1))
+            return logits.reshape(B * F, -1), (out.reshape(B * F, -1) if out is not None else None)
+
+        logits, hidden = feed(None, tokens, feats, -1)
+        chains = draft_chain(feed, logits, hidden, [seq for seq in seqs for _ in range(F)], [self.K] * (B * F),
+                             self.saguaro)
         for r, (seq, row) in enumerate(zip(seqs, branches)):
             for i, br in enumerate(row):
-                flat = r * F + i
-                qs = [out_q[t][flat] for t in range(self.K)]
-                seq.cache[br["key"]] = _Draft(toks[r, i].tolist(), torch.stack(qs) if qs[0] is not None else None,
-                                              hids[r, i] if hids is not None else None)
+                seq.cache[br["key"]] = chains[r * F + i]
 
     def _draft_branch_trees(self, seqs: list[_Seq], branches: list[list[dict]]) -> None:
         """A dynamic tree for every branch: feed the branch roots (one forward), then grow all trees together."""
@@ -510,25 +386,18 @@ class Speculator:
         visible = torch.zeros(B, F, kv_len, dtype=torch.bool)
         visible[..., : base.shape[-1]] = base
         visible.scatter_(2, write[..., None], True)
-        logits, hidden = self._tree_step(slots, tokens, feats, positions, write, visible)
+        logits, hidden = self.backend.step(slots, tokens, positions, write, visible, feats)
         # one grow_trees row per branch: its base sees the branch root too; its region follows all roots
         real = [(r, i) for r in range(B) for i in range(len(branches[r]))]
         per_tree = (self.tree.depth - 1) * self.tree.topk
         row_base = torch.stack([visible[r, i] for r, i in real])
         starts = [int(region[r]) + F + i * per_tree for r, i in real]
-        row_slots = [slots[r] for r, _ in real]
-
-        def step(tok, f, pos, w, vis):
-            return self._tree_step(row_slots, tok, f, pos, w, vis)
-
-        trees = grow_trees(step, torch.stack([logits[r, i] for r, i in real]),
+        trees = grow_trees(self.backend, [slots[r] for r, _ in real], torch.stack([logits[r, i] for r, i in real]),
                            torch.stack([hidden[r, i] for r, i in real]) if hidden is not None else None,
                            row_base, starts, [int(positions[r, i]) for r, i in real], self.tree,
                            [self.K] * len(real))
         for (r, i), tree in zip(real, trees):
-            br = branches[r][i]
-            seqs[r].cache[br["key"]] = _Draft(tree.tokens, None,
-                                              torch.stack(tree.features) if tree.features else None, tree.parents)
+            seqs[r].cache[branches[r][i]["key"]] = tree
 
 
 def kv_end(seq: _Seq, offset: int) -> int:

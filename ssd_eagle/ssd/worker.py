@@ -49,7 +49,7 @@ class SpeculatorSettings:
 def build_speculator(settings: SpeculatorSettings, draft):
     """The :class:`~ssd_eagle.ssd.speculator.Speculator` for a draft module (used in-process and in the worker)."""
     from ssd_eagle.drafters.base import SaguaroSampling
-    from ssd_eagle.ssd.backends import DraftLMBackend, Eagle3Backend
+    from ssd_eagle.drafters.backends import DraftLMBackend, Eagle3Backend
     from ssd_eagle.ssd.speculator import Speculator
 
     if settings.kind == "eagle3":
@@ -151,15 +151,15 @@ def encode_replies(replies) -> tuple[torch.Tensor, torch.Tensor | None]:
     ints, qs = [len(replies)], []
     for r in replies:
         is_tree = r.parents is not None
-        ints += [-1 if r.hit is None else int(r.hit), -1 if r.lookup_k is None else r.lookup_k, len(r.tokens),
-                 int(r.q is not None), int(is_tree), *r.tokens, *(r.parents if is_tree else [])]
+        ints += [-1 if r.cache_hit is None else int(r.cache_hit), -1 if r.lookup_k is None else r.lookup_k,
+                 len(r.tokens), int(r.q is not None), int(is_tree), *r.tokens, *(r.parents if is_tree else [])]
         if r.q is not None:
             qs.append(r.q.reshape(-1).cpu())
     return torch.tensor(ints, dtype=torch.long), (torch.cat(qs) if qs else None)
 
 
 def decode_replies(ints: torch.Tensor, floats: torch.Tensor, vocab_size: int):
-    from ssd_eagle.ssd.speculator import SpecReply
+    from ssd_eagle.drafters.base import Proposal
 
     values = ints.tolist()
     replies, cursor, offset = [], 1, 0
@@ -176,6 +176,6 @@ def decode_replies(ints: torch.Tensor, floats: torch.Tensor, vocab_size: int):
         if has_q:
             q = floats[offset: offset + m * vocab_size].clone().view(m, vocab_size)
             offset += m * vocab_size
-        replies.append(SpecReply(tokens, q, None if hit < 0 else bool(hit), None if lookup_k < 0 else lookup_k,
+        replies.append(Proposal(tokens, q, None if hit < 0 else bool(hit), None if lookup_k < 0 else lookup_k,
                                  parents))
     return replies

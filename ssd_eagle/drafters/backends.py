@@ -1,0 +1,186 @@
+"""The neural drafts, one implementation per model, shared by the SD drafters and the SSD speculator.
+
+A backend owns a draft model and its :class:`~ssd_eagle.kv_cache.KVCache` (one slot per sequence) and offers
+three operations, all of them stateless about sequences (the callers keep the bookkeeping):
+
+- ``prefill(slot, token_ids, aux)``: cache every committed token but the last;
+- ``extend(slots, chunks, starts, features)``: a causal forward over new tokens per row (ragged), returning the
+  draft's prediction after each row's last token (a chain's next token, or a tree's root distribution);
+- ``step(slots, tokens, positions, write, visible, features)``: one forward over B rows of n tokens with explicit
+  positions and visibility (tree levels, the speculator's branches).
+
+Both run through ``forward(batch, features)``, the only place a draft model is called while drafting (the place
+to run fixed shapes or a CUDA graph: :class:`~ssd_eagle.cuda_graphs.StaticForward` wraps exactly this signature).
+
+Position convention. Token position t is the t-th token of a sequence (0-based). A causal draft LM stores token t
+at cache position t (``offset = 0``). An EAGLE-3 head stores the pair ``(f_{t-1}, x_t)`` at cache position
+``t - 1``, the pair's rotary position (``offset = 1``; EAGLE-3, Li et al. 2025: the feature of position t-1 goes
+with the next token). Every argument of a backend is in *cache positions* (``starts``, ``positions``, ``write``
+and the columns of ``visible``); callers convert token positions with ``t - offset`` once. The output at an input
+of token position t is the draft's distribution of token t + 1.
+
+Tensors: tokens, positions and write positions int64 ``[B, n]``; visibility bool ``[B, n, S]`` over cache
+positions ``0..S-1`` (True = may attend); features (EAGLE-3) ``[B, n, H]`` in the backend's dtype, the fused
+target aux states for committed tokens or the head's own output at the parent while drafting; logits
+``[B, n, V_target]`` in the backend's dtype, in the *target's* vocabulary (-inf outside a reduced draft vocabulary);
+outputs ``[B, n, H]`` (EAGLE-3) or None (a draft LM).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Callable
+
+import torch
+
+from ssd_eagle.kv_cache import ForwardBatch, KVCache
+from ssd_eagle.model_runner import ModelRunner
+
+DraftOut = tuple[torch.Tensor, "torch.Tensor | None"]  # (logits, outputs); see the module docstring
+
+
+class DraftBackend(ABC):
+    """A draft model behind the operations of the module docstring.
+
+    Attributes:
+        offset: cache position = token position - offset.
+        needs_aux: the draft takes target features (EAGLE-3); hidden_size: their width H (None otherwise).
+        aux_layer_ids: the target layers whose aux states the draft needs (None without features).
+        dtype, device, kv: the draft's dtype, device and cache.
+        forwards: calls of :meth:`forward` so far (``extend`` and ``step`` run through it; prefill does not).
+    """
+
+    offset = 0
+    needs_aux = False
+    hidden_size: int | None = None
+    aux_layer_ids: tuple[int, ...] | None = None
+    dtype: torch.dtype
+    device: torch.device
+    kv: KVCache
+    forwards = 0
+
+    @abstractmethod
+    def prefill(self, slot: int, token_ids: list[int], aux: torch.Tensor | None) -> torch.Tensor | None:
+        """Cache every committed token but the last (``token_ids`` = prompt + first sampled token). Returns the
+        features not yet fed (EAGLE-3: the last token's, float [1, H]), or None.
+
+        Raises:
+            ValueError: an EAGLE-3 draft without ``aux``."""
+
+    @abstractmethod
+    def forward(self, batch: ForwardBatch, features: torch.Tensor | None,
+                logits_index: torch.Tensor | None = None) -> DraftOut:
+        """Run ``batch``; logits at ``logits_index`` (int64 [B, m], None = every position) and the outputs at every
+        position."""
+
+    def fuse(self, aux: torch.Tensor) -> torch.Tensor:
+        """Target aux states [m, 3 * H_target] -> draft features [m, H] (EAGLE-3 only)."""
+        raise NotImplementedError(f"{type(self).__name__} takes no target features")
+
+    def append_features(self, pending: torch.Tensor | None, aux: torch.Tensor) -> torch.Tensor:
+        """``pending`` [m, H] (or None) followed by the fused features of ``aux`` [k + 1, 3 * H_target], the target's
+        states of the verified inputs now committed (EAGLE-3 only)."""
+        new = self.fuse(aux)
+        return new if pending is None else torch.cat([pending, new])
+
+    def extend(self, slots: list[int], chunks: list[list[int]], starts: list[int],
+               features: list[torch.Tensor] | torch.Tensor | None = None) -> DraftOut:
+        """Causal forward of ``chunks[b]`` at cache positions ``starts[b]..`` of slot ``slots[b]``.
+
+        Args:
+            features: EAGLE-3: per row float [len(chunks[b]), H] (or one padded [B, n, H]), else None.
+
+        Returns:
+            (logits [B, V_target], outputs [B, H] or None) after each row's last token.
+        """
+        batch = ForwardBatch.causal(chunks, slots, starts, self.dtype, self.device)
+        last = torch.tensor([len(c) - 1 for c in chunks], device=self.device)
+        logits, hidden = self.forward(batch, self.pad_features(features, batch.input_ids.shape[1]), last[:, None])
+        rows = torch.arange(len(chunks), device=self.device)
+        return logits[:, 0], (hidden[rows, last] if hidden is not None else None)
+
+    def step(self, slots: list[int], tokens: torch.Tensor, positions: torch.Tensor, write: torch.Tensor,
+             visible: torch.Tensor, features: torch.Tensor | None = None) -> DraftOut:
+        """One forward of ``tokens`` [B, n] with rotary ``positions``, stored at ``write``, attending ``visible``
+        (module docstring). Returns (logits [B, n, V_target], outputs [B, n, H] or None)."""
+        batch = ForwardBatch.build(tokens, positions, write, slots, visible, self.dtype, self.device,
+                                   [tokens.shape[1]] * len(slots))
+        return self.forward(batch, features)
+
+    def chain_feed(self, slots: list[int], first: list[int]) -> Callable[..., DraftOut]:
+        """The ``feed`` of :func:`~ssd_eagle.drafters.chain.draft_chain` for chains continuing the committed text:
+        chain index i of row r sits at cache position ``first[r] + i``."""
+        def feed(rows: list[int], tokens: torch.Tensor, features: torch.Tensor | None, index: int) -> DraftOut:
+            return self.extend([slots[r] for r in rows], tokens[:, None].tolist(), [first[r] + index for r in rows],
+                               None if features is None else features[:, None])
+        return feed
+
+    def pad_features(self, features: list[torch.Tensor] | torch.Tensor | None, n: int) -> torch.Tensor | None:
+        """Per-row features [m_b, H] right-padded with zeros to one [B, n, H] (a tensor or None is returned as is)."""
+        if features is None or isinstance(features, torch.Tensor):
+            return features
+        out = torch.zeros(len(features), n, self.hidden_size, dtype=self.dtype, device=self.device)
+        for row, f in enumerate(features):
+            out[row, : f.shape[0]] = f
+        return out
+
+
+class DraftLMBackend(DraftBackend):
+    """A transformers causal LM with the target's vocabulary (classic SD's draft model)."""
+
+    def __init__(self, model, num_slots: int, max_len: int):
+        self.runner = ModelRunner(model, num_slots, max_len)
+        self.kv = self.runner.kv
+        self.dtype, self.device = self.runner.dtype, self.runner.device
+        self.vocab_size = model.get_output_embeddings().weight.shape[0]
+
+    def prefill(self, slot: int, token_ids: list[int], aux=None) -> None:
+        if len(token_ids) > 1:
+            batch = ForwardBatch.causal([token_ids[:-1]], [slot], [0], self.dtype, self.device)
+            self.runner.forward(batch, compute_logits=False)
+        return None
+
+    def forward(self, batch: ForwardBatch, features=None, logits_index=None) -> DraftOut:
+        self.forwards += 1
+        return self.runner.forward(batch, logits_index=logits_index).logits, None
+
+
+class Eagle3Backend(DraftBackend):
+    """An EAGLE-3 head (:class:`~ssd_eagle.models.eagle3.Eagle3DraftModel`) with the target's embeddings."""
+
+    offset = 1
+    needs_aux = True
+
+    def __init__(self, head, num_slots: int, max_len: int):
+        self.head = head.eval()
+        cfg = head.config
+        param = head.lm_head.weight
+        self.dtype, self.device = param.dtype, param.device
+        self.kv = KVCache(1, num_slots, cfg.num_key_value_heads, cfg.head_dim, max_len, self.dtype, self.device)
+        self.hidden_size = cfg.hidden_size
+        self.aux_layer_ids = tuple(cfg.aux_layer_ids)
+        self.vocab_size = cfg.vocab_size
+
+    @torch.inference_mode()
+    def fuse(self, aux: torch.Tensor) -> torch.Tensor:
+        return self.head.fuse(aux.to(device=self.device, dtype=self.dtype))
+
+    @torch.inference_mode()
+    def prefill(self, slot: int, token_ids: list[int], aux: torch.Tensor | None) -> torch.Tensor:
+        if aux is None:
+            raise ValueError("an EAGLE-3 draft needs the target's aux hidden states of the prompt")
+        fused = self.fuse(aux)  # features of token positions 0 .. N-2 (pairs with tokens 1 .. N-1)
+        n = fused.shape[0]
+        if n > 1:  # pairs (f_i, x_{i+1}) for i < n-1 go to the cache; the last stays pending
+            batch = ForwardBatch.causal([token_ids[1:n]], [slot], [0], self.dtype, self.device)
+            self.head(batch.input_ids, fused[None, : n - 1], batch.position_ids, batch.attn_mask,
+                      self.kv.bind(batch))
+        return fused[n - 1:]
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch, features: torch.Tensor, logits_index=None) -> DraftOut:
+        self.forwards += 1
+        out = self.head(batch.input_ids, features, batch.position_ids, batch.attn_mask, self.kv.bind(batch))
+        selected = out if logits_index is None else out.gather(
+            1, logits_index[..., None].expand(-1, -1, out.shape[-1]))
+        return self.head.to_target_logits(self.head.compute_logits(selected)), out

@@ -1,0 +1,94 @@
+"""Chain drafting: sample each draft token from the draft and report the q it was drawn from (SD chains, the SSD
+backup and the speculator's branches all draft through :func:`draft_chain`).
+
+A chain's tokens at T > 0 are samples from the q they report (after the row's temperature/top-k/top-p,
+:func:`ssd_eagle.sampling.logits_to_probs`, and Saguaro scaling, SSD paper Sec. 4.2), which is what the verifier
+tests them with; greedy rows take the argmax and report no q (a point mass).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from ssd_eagle.drafters.base import Proposal, SaguaroSampling
+
+# feed(rows, tokens [R'], features [R', H] | None, index) -> (logits [R', V_target], outputs [R', H] | None)
+FeedFn = Callable[[list[int], torch.Tensor, "torch.Tensor | None", int], tuple[torch.Tensor, "torch.Tensor | None"]]
+
+
+def sample_draft_tokens(logits: torch.Tensor, seqs: list, position: int,
+                        saguaro: SaguaroSampling | None = None) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
+    """Pick the next draft token of every row and report the q it was drawn from.
+
+    Greedy rows take the argmax (q None: a point mass). Sampled rows draw from
+    ``saguaro_scale(logits_to_probs(logits), C, F_position)`` with the sequence's ``draft_generator``.
+
+    Args:
+        logits: float [B, V_target] draft logits in the target's vocabulary (-inf outside a reduced vocabulary).
+        seqs: the B sequences (for sampling params and generators).
+        position: index of this draft token in the chain (selects F_k).
+
+    Returns:
+        (tokens int64 [B], q: B entries, each float [V_target] or None).
+    """
+    from ssd_eagle.sampling import SamplingTensors, logits_to_probs, sample
+    from ssd_eagle.verify import saguaro_scale
+
+    tokens = logits.argmax(dim=-1)
+    qs: list[torch.Tensor | None] = [None] * len(seqs)
+    rows = [i for i, s in enumerate(seqs) if not s.params.greedy]
+    if rows:
+        st = SamplingTensors.from_params([seqs[i].params for i in rows], logits.device)
+        q = logits_to_probs(logits[rows], st)
+        if saguaro is not None and saguaro.c < 1.0:
+            q = saguaro_scale(q, saguaro.c, saguaro.fanout_at(position))
+        tokens[rows] = sample(q, [seqs[i].draft_generator for i in rows])
+        for j, i in enumerate(rows):
+            qs[i] = q[j]
+    return tokens, qs
+
+
+def draft_chain(feed: FeedFn, logits: torch.Tensor, hidden: torch.Tensor | None, seqs: list, budgets: list[int],
+                saguaro: SaguaroSampling | None = None) -> list[Proposal]:
+    """Draft one chain per row: sample a token, feed it to the draft, sample the next; ``budgets[r]`` tokens cost
+    ``budgets[r] - 1`` forwards (the last token is never fed).
+
+    Args:
+        feed: runs one draft forward over the tokens just sampled at chain index ``index`` (0-based) by the rows
+            ``rows`` (indices into ``seqs``) that continue, with ``features`` the draft's outputs they were sampled
+            from (see ``FeedFn``); where those tokens sit in the cache is the feed's business (a chain after the
+            committed text: :meth:`~ssd_eagle.drafters.backends.DraftBackend.chain_feed`).
+        logits: float [R, V_target], the draft's distribution of each chain's first token.
+        hidden: float [R, H], the draft's output there (EAGLE-3), or None.
+        seqs: the R rows' sequences (``params``, ``draft_generator``).
+        budgets: tokens per chain, each >= 1.
+        saguaro: Saguaro scaling of the sampled rows' q (None: plain sampling).
+
+    Returns:
+        R chain proposals: ``tokens``, ``q`` float [k, V_target] (None for greedy rows) and ``hidden`` [k, H] (the
+        output each token was sampled from), or None without outputs.
+    """
+    R = len(seqs)
+    tokens_out: list[list[int]] = [[] for _ in range(R)]
+    qs: list[list[torch.Tensor]] = [[] for _ in range(R)]
+    hs: list[list[torch.Tensor]] = [[] for _ in range(R)]
+    rows = list(range(R))
+    for index in range(max(budgets)):
+        tokens, q = sample_draft_tokens(logits, [seqs[r] for r in rows], index, saguaro)
+        for j, (r, t) in enumerate(zip(rows, tokens.tolist())):
+            tokens_out[r].append(t)
+            if q[j] is not None:
+                qs[r].append(q[j])
+            if hidden is not None:
+                hs[r].append(hidden[j])
+        keep = [j for j, r in enumerate(rows) if len(tokens_out[r]) < budgets[r]]
+        if not keep:
+            break
+        if len(keep) < len(rows):
+            rows, tokens = [rows[j] for j in keep], tokens[keep]
+            hidden = hidden[keep] if hidden is not None else None
+        logits, hidden = feed(rows, tokens, hidden, index)
+    return [Proposal(tokens_out[r], torch.stack(qs[r]) if qs[r] else None,
+                     hidden=torch.stack(hs[r]) if hs[r] else None) for r in range(R)]
