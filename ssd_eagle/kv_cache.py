@@ -13,22 +13,38 @@ method of ``transformers.Cache`` that Llama-family attention uses). No modeling 
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 from dataclasses import dataclass
 
 import torch
 
+TRIM_BYTES = 64 * 2**20  # a CPU store shrinking by this much hands its freed heap back to the OS
+
+
+def trim_host_memory() -> None:
+    """Return the freed heap to the OS (glibc's ``malloc_trim``; nothing where the C library has none). Freed CPU
+    tensors otherwise stay in the process's heap, and its RSS would keep the peak of the longest request."""
+    libc = ctypes.CDLL(ctypes.util.find_library("c"))
+    if hasattr(libc, "malloc_trim"):
+        libc.malloc_trim(0)
+
 
 class KVCache:
-    """Per-layer tensors ``[num_slots, num_kv_heads, capacity, head_dim]``, grown on demand up to ``max_len``.
+    """Per-layer tensors ``[num_rows, num_kv_heads, capacity, head_dim]``, grown on demand up to ``max_len``.
 
     Args:
         num_layers: layers of the model this cache serves.
-        num_slots: concurrent sequences.
+        num_slots: concurrent sequences (slots ``0 .. num_slots-1``).
         num_kv_heads, head_dim: attention geometry.
         max_len: the most positions a slot can ever hold (tokens of the longest sequence plus draft positions).
         dtype, device: of the keys/values (the model's).
         initial_capacity: positions allocated at first; grown by a quarter (in multiples of 256 positions) when a
-            forward needs more, so a large batch does not double its memory for one long sequence.
+            forward needs more, so a large batch does not double its memory for one long sequence, but never past
+            ``limit`` unless a forward needs it.
+
+    :meth:`resize` reallocates the store to fewer rows (the slots ``0 .. num_rows-1`` in use) or positions, so its
+    memory follows the live sequences instead of the longest one ever seen.
 
     Raises:
         ValueError: a forward needs more than ``max_len`` positions.
@@ -41,12 +57,25 @@ class KVCache:
         self.num_layers = num_layers
         self.num_slots = num_slots
         self.max_len = max_len
+        self.num_rows = num_slots
         self.capacity = min(initial_capacity, max_len)
+        self.limit = max_len  # growth ceiling (the engine sets the longest reservation of its live requests)
         shape = (num_slots, num_kv_heads, self.capacity, head_dim)
         with torch.inference_mode(False):  # normal tensors, updatable in and out of inference mode
             self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
             self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self._batch: ForwardBatch | None = None
+
+    @property
+    def bytes_per_position(self) -> int:
+        """Bytes one position of one slot takes (keys and values of every layer)."""
+        k = self.keys[0]
+        return 2 * self.num_layers * k.shape[1] * k.shape[3] * k.element_size()
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the store holds now (``num_rows x capacity`` positions)."""
+        return self.num_rows * self.capacity * self.bytes_per_position
 
     def reserve(self, needed: int) -> None:
         """Make every slot hold at least ``needed`` positions, keeping the contents.
@@ -58,15 +87,33 @@ class KVCache:
             return
         if needed > self.max_len:
             raise ValueError(f"a forward needs {needed} cache positions but max_len is {self.max_len}")
-        new_cap = min(-(-max(needed, self.capacity * 5 // 4) // 256) * 256, self.max_len)
+        grown = min(-(-max(needed, self.capacity * 5 // 4) // 256) * 256, self.max_len)
+        self.resize(self.num_rows, max(needed, min(grown, self.limit)))
+
+    def resize(self, num_rows: int, capacity: int) -> None:
+        """Reallocate every layer to ``[num_rows, kv_heads, capacity, head_dim]``, keeping what fits (slots past
+        ``num_rows`` and positions past ``capacity`` are dropped). Frees memory when shrinking (a large CPU
+        shrink also trims the heap, :func:`trim_host_memory`).
+
+        Raises:
+            ValueError: ``num_rows`` not in ``[1, num_slots]`` or ``capacity`` not in ``[1, max_len]``.
+        """
+        if not (1 <= num_rows <= self.num_slots and 1 <= capacity <= self.max_len):
+            raise ValueError(f"cannot resize to {num_rows} rows x {capacity} positions "
+                             f"(at most {self.num_slots} x {self.max_len})")
+        if (num_rows, capacity) == (self.num_rows, self.capacity):
+            return
+        rows, cap, before = min(num_rows, self.num_rows), min(capacity, self.capacity), self.nbytes
         with torch.inference_mode(False):  # growing inside a forward must not make the store an inference tensor,
             for layer in range(self.num_layers):  # which compact() / copy_slot() could not update outside one
                 for store in (self.keys, self.values):
                     old = store[layer]
-                    new = old.new_zeros(old.shape[0], old.shape[1], new_cap, old.shape[3])
-                    new[:, :, : self.capacity] = old
+                    new = old.new_zeros(num_rows, old.shape[1], capacity, old.shape[3])
+                    new[:rows, :, :cap] = old[:rows, :, :cap]
                     store[layer] = new
-        self.capacity = new_cap
+        self.num_rows, self.capacity = num_rows, capacity
+        if self.keys[0].device.type == "cpu" and before - self.nbytes >= TRIM_BYTES:
+            trim_host_memory()
 
     def bind(self, batch: ForwardBatch) -> KVCache:
         """Set the batch the next forward belongs to (slots, write positions, attended length)."""
@@ -118,6 +165,21 @@ class KVCache:
         """Copy the first ``length`` positions of slot ``src`` into slot ``dst``."""
         for store in (*self.keys, *self.values):
             store[dst, :, :length] = store[src, :, :length]
+
+    def read(self, slot: int, start: int, end: int) -> torch.Tensor:
+        """Keys and values of positions ``start .. end-1`` of ``slot``: a new tensor
+        ``[num_layers, 2, kv_heads, end - start, head_dim]`` (0 = keys, 1 = values)."""
+        return torch.stack([torch.stack((k[slot, :, start:end], v[slot, :, start:end]))
+                            for k, v in zip(self.keys, self.values)])
+
+    def write(self, slot: int, start: int, kv: torch.Tensor) -> None:
+        """Store ``kv`` (``[num_layers, 2, kv_heads, n, head_dim]``, as :meth:`read` returns) at positions
+        ``start .. start+n-1`` of ``slot``, growing the store when needed."""
+        n = kv.shape[3]
+        self.reserve(start + n)
+        for layer, (k, v) in enumerate(zip(self.keys, self.values)):
+            k[slot, :, start : start + n] = kv[layer, 0]
+            v[slot, :, start : start + n] = kv[layer, 1]
 
 
 @dataclass

@@ -1,11 +1,15 @@
 """The step-based decoding engine: requests in, rounds of draft-then-verify, outputs out.
 
-``add_request`` queues a request; each ``step`` admits waiting requests into free cache slots (prefill, which
-samples the first token), then runs one round for every running request together: the drafter proposes up to K
+``add_request`` queues a request; each ``step`` admits waiting requests into free cache slots, prefills prompt
+chunks within the step's token budget (:mod:`ssd_eagle.engine.scheduler`; the chunk that completes a prompt
+samples its first token), then runs one round for every running request together: the drafter proposes up to K
 tokens per request, the target scores ``[last token, drafts]`` of all rows in one batched forward, and
 verification keeps the longest acceptable prefix plus a bonus token (:mod:`ssd_eagle.verify`). Autoregressive
-decoding is the same loop with no drafter (K = 0). Stopping rules are applied token by token, so nothing past an
-EOS, a stop string, ``max_tokens`` or ``max_model_len`` is ever emitted, even inside an accepted block.
+decoding is the same loop with no drafter (K = 0). A prompt prefix whose keys/values are in the prefix cache
+(:mod:`ssd_eagle.prefix_cache`) is copied into the slot instead of prefilled. The target's store is resized to
+the live requests after every step, so its memory follows them, not the longest request ever seen. Stopping
+rules are applied token by token, so nothing past an EOS, a stop string, ``max_tokens`` or ``max_model_len`` is
+ever emitted, even inside an accepted block.
 
 A drafter that raises is marked unhealthy (``drafter.healthy = False``) and never called again: every request
 continues with ordinary decoding, losing nothing. Greedy rows are verified by argmax match, sampled rows by rejection sampling with the exact q the drafter sampled
@@ -24,10 +28,11 @@ import torch
 
 from ssd_eagle.drafters.base import Drafter, Proposal
 from ssd_eagle.engine.detokenizer import IncrementalDetokenizer
-from ssd_eagle.engine.sequence import (CompletionOutput, RequestOutput, Sequence, SequenceStatus,
-                                       TokenLogprob)
+from ssd_eagle.engine.scheduler import GIB, Scheduler
+from ssd_eagle.engine.sequence import RequestOutput, Sequence, SequenceStatus, TokenLogprob
 from ssd_eagle.kv_cache import ForwardBatch
 from ssd_eagle.model_runner import ModelRunner, RunnerOutput
+from ssd_eagle.prefix_cache import PrefixCache
 from ssd_eagle.sampling import SamplingTensors, logits_to_probs, sample
 from ssd_eagle.sampling_params import SamplingParams
 from ssd_eagle.stats import SpecStats
@@ -48,17 +53,28 @@ class LLMEngine:
         max_model_len: longest prompt + output (default: the target's ``max_position_embeddings``).
         eos_token_ids: ids that end a request (default: the model's generation config and tokenizer EOS ids).
         seed: seeds the generators of requests that bring no seed.
-        prefill_chunk: prompt tokens per prefill forward.
+        prefill_chunk: most prompt tokens of one request per step.
         max_draft_tokens: most draft tokens (tree nodes) in one proposal (default: K).
         cuda_graphs: on a CUDA target, capture verification forwards as CUDA graphs (``--eager`` turns them off;
             see :mod:`ssd_eagle.cuda_graphs`). Ignored on CPU.
         compile: ``torch.compile`` the target's decoder body (see :class:`~ssd_eagle.model_runner.ModelRunner`).
+        max_num_batched_tokens: tokens one step forwards: the rounds of running requests first, then prompt
+            chunks (vLLM's chunked prefill; see :mod:`ssd_eagle.engine.scheduler`).
+        enable_prefix_caching: reuse cached keys/values (and aux states) of prompt prefixes, in blocks of 64 tokens.
+        prefix_cache_memory: GiB the prefix cache may hold.
+        kv_cache_memory: GiB budget of the target's KV store plus the prefix cache (None: unbounded). Admission
+            reserves prompt + max_tokens + one round per request; requests that do not fit now wait.
+
+    Raises:
+        ValueError: a non-positive ``max_num_batched_tokens``, ``prefill_chunk`` or ``kv_cache_memory``.
     """
 
     def __init__(self, model, tokenizer, drafter: Drafter | None = None, num_speculative_tokens: int = 5,
                  max_num_seqs: int = 8, max_model_len: int | None = None, eos_token_ids: set[int] | None = None,
                  seed: int = 0, prefill_chunk: int = 512, max_draft_tokens: int | None = None,
-                 cuda_graphs: bool = True, compile: bool = False):
+                 cuda_graphs: bool = True, compile: bool = False, max_num_batched_tokens: int = 512,
+                 enable_prefix_caching: bool = True, prefix_cache_memory: float = 0.25,
+                 kv_cache_memory: float | None = None):
         from ssd_eagle.assets import eos_token_ids as model_eos_ids
 
         self.tokenizer = tokenizer
@@ -88,11 +104,10 @@ class LLMEngine:
                                         device=self.target.device, widths=widths,
                                         buckets=[b for b in (1, 2, 4, 8, 16, 32, 64) if b < max_num_seqs]
                                         + [max_num_seqs])
-        self.prefill_chunk = prefill_chunk
         self._rng = random.Random(seed)
-        self._free_slots = list(range(max_num_seqs - 1, -1, -1))  # pop() hands out the lowest slot first
-        self.waiting: deque[Sequence] = deque()
-        self.running: list[Sequence] = []
+        self.scheduler = Scheduler(max_num_seqs, max_num_batched_tokens, prefill_chunk, 1 + self.max_draft_tokens,
+                                   self.target.kv.max_len, self.target.kv.bytes_per_position, kv_cache_memory)
+        self.prefix_cache = PrefixCache(int(prefix_cache_memory * GIB)) if enable_prefix_caching else None
         self.requests: dict[str, Sequence] = {}
         self.stats = SpecStats()  # aggregate over all rounds (times counted once per batched round)
 
@@ -102,7 +117,8 @@ class LLMEngine:
 
         Raises:
             ValueError: duplicate ``request_id``, empty ``prompt``, token ids out of the vocabulary, or
-                ``prompt`` tokens + ``max_tokens`` over ``max_model_len``.
+                ``prompt`` tokens + ``max_tokens`` over ``max_model_len``, or a request that alone needs more KV
+                memory than ``kv_cache_memory``.
         """
         params = params or SamplingParams()
         if request_id in self.requests:
@@ -128,6 +144,7 @@ class LLMEngine:
                                                params.skip_special_tokens),
             logprobs=[] if params.logprobs is not None else None,
         )
+        self.scheduler.check_fits(seq)
         self.requests[request_id] = seq
         self.waiting.append(seq)
 
@@ -141,50 +158,88 @@ class LLMEngine:
         seq = self.requests.get(request_id)
         if seq is None:
             return
-        if seq.status is SequenceStatus.WAITING:
-            self.waiting.remove(seq)
         seq.finish_reason = "abort"
         seq.status = SequenceStatus.FINISHED
         self._release(seq)
+        self._fit_kv()
+
+    @property
+    def waiting(self) -> deque[Sequence]:
+        return self.scheduler.waiting
+
+    @property
+    def running(self) -> list[Sequence]:
+        return self.scheduler.running
+
+    @property
+    def kv_cache_usage(self) -> tuple[int, int | None]:
+        """(bytes the target's KV store and the prefix cache hold now, the ``kv_cache_memory`` budget or None)."""
+        cached = self.prefix_cache.nbytes if self.prefix_cache is not None else 0
+        return self.target.kv.nbytes + cached, self.scheduler.budget
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
     def step(self) -> list[RequestOutput]:
-        """Admit waiting requests, run one round for all running ones, and report every request that advanced."""
-        touched = self._admit()
+        """Admit waiting requests, prefill prompt chunks within the token budget, run one round for every running
+        request whose prompt is cached, and report every request that advanced."""
+        self._admit()
+        decoding = [s for s in self.running if not s.prefilling and not s.finished]
+        ready = self._prefill(self.scheduler.prefill_chunks(len(decoding)))
         # in slot order: a batch whose slots form a range reads the cache as views instead of gathering it
-        live = sorted((s for s in self.running if not s.finished), key=lambda s: s.slot)
+        live = sorted((s for s in decoding + ready if not s.finished), key=lambda s: s.slot)
         if live:
             self._round(live)
-            touched.extend(s for s in live if s not in touched)
-        outputs = [self._report(seq) for seq in touched]
+        touched = ready + [s for s in live if s not in ready]
+        outputs = [seq.report() for seq in touched]
         for seq in touched:
             if seq.finished:
                 self._release(seq)
+        self._fit_kv()
         return outputs
 
     # scheduling
-    def _admit(self) -> list[Sequence]:
-        admitted = []
-        while self.waiting and self._free_slots:
-            seq = self.waiting.popleft()
-            seq.slot = self._free_slots.pop()
-            seq.status = SequenceStatus.RUNNING
-            self.running.append(seq)
-            admitted.append(seq)
-        if admitted:
-            self._prefill(admitted)
-        return admitted
+    def _admit(self) -> None:
+        admitted = self.scheduler.admit(self.prefix_cache)
+        if not admitted:
+            return
+        self._fit_kv()
+        if self._reuses_prefixes:
+            for seq in admitted:  # at least the last prompt token is prefilled: its logits give the first token
+                n, aux = self.prefix_cache.load(seq.token_ids[: seq.num_prompt_tokens - 1], self.target.kv, seq.slot)
+                seq.num_cached = seq.num_reused = n
+                seq.prompt_aux = [aux] if self.needs_aux and n else []
+
+    @property
+    def _local_target(self) -> bool:
+        # a tensor-parallel driver's worker ranks hold their own shards: copies and resizes of rank 0's store
+        # would not reach them
+        return isinstance(self.target, ModelRunner)
+
+    @property
+    def _reuses_prefixes(self) -> bool:
+        return self.prefix_cache is not None and self._local_target
+
+    def _fit_kv(self) -> None:  # (CUDA graphs pin the store's addresses)
+        self.scheduler.fit(self.target.kv, self.prefix_cache, resize=self.static is None and self._local_target)
 
     def _release(self, seq: Sequence) -> None:
-        if seq in self.running:
-            self.running.remove(seq)
+        if seq.slot >= 0:
+            if self._reuses_prefixes:
+                self._cache_prefix(seq)
             self._call_drafter("remove_sequence", seq)
-            self._free_slots.append(seq.slot)
-            self._free_slots.sort(reverse=True)
-            seq.slot = -1
+        self.scheduler.remove(seq)
+        seq.prompt_aux = []
         self.requests.pop(seq.request_id, None)
+
+    def _cache_prefix(self, seq: Sequence) -> None:
+        """Offer the committed tokens of ``seq`` (the prompt only, when the drafter needs aux states: those of the
+        output are not kept) to the prefix cache."""
+        n = min(seq.num_cached, len(seq.token_ids))
+        aux = torch.cat(seq.prompt_aux) if self.needs_aux and seq.prompt_aux else None
+        if self.needs_aux:
+            n = min(n, len(aux) if aux is not None else 0)
+        self.prefix_cache.save(seq.token_ids[:n], self.target.kv, seq.slot, aux)
 
     def _call_drafter(self, method: str, *args, default=None):
         """Call the drafter unless it failed before; on an exception mark it unhealthy and return ``default``."""
@@ -198,43 +253,52 @@ class LLMEngine:
             return default
 
     # model work
-    def _prefill(self, seqs: list[Sequence]) -> None:
-        """Prefill new requests together, ``prefill_chunk`` prompt tokens per row and forward, and sample each
-        one's first token from the target's last prompt logits."""
+    def _prefill(self, chunks: list[tuple[Sequence, int]]) -> list[Sequence]:
+        """Prefill the next ``n`` prompt tokens of each ``(seq, n)``; a request whose prompt is then cached samples
+        its first token from the last prompt logits and is handed to the drafter. Returns those requests."""
+        if not chunks:
+            return []
         start = time.perf_counter()
-        done = [0] * len(seqs)
-        aux: list[list[torch.Tensor]] = [[] for _ in seqs]
-        last_logits: list[torch.Tensor | None] = [None] * len(seqs)
-        while True:
-            rows = [i for i, s in enumerate(seqs) if done[i] < len(s.token_ids)]
-            if not rows:
-                break
-            chunks = [seqs[i].token_ids[done[i]: done[i] + self.prefill_chunk] for i in rows]
-            finishing = [done[i] + len(c) == len(seqs[i].token_ids) for i, c in zip(rows, chunks)]
-            batch = ForwardBatch.causal(chunks, [seqs[i].slot for i in rows], [done[i] for i in rows],
+        prefilled = [seq for seq, _ in chunks]
+        last_logits: dict[int, torch.Tensor] = {}
+        max_len = self.target.kv.max_len
+        while chunks:  # pad tokens of a short row write past its end: a row too close to max_len runs alone
+            width = max(n for _, n in chunks)
+            group = [c for c in chunks if c[0].num_cached + width <= max_len] or chunks[:1]
+            chunks = [c for c in chunks if all(c[0] is not seq for seq, _ in group)]
+            seqs = [seq for seq, _ in group]
+            tokens = [seq.token_ids[seq.num_cached: seq.num_cached + n] for seq, n in group]
+            finishing = [seq.num_cached + n == seq.num_prompt_tokens for seq, n in group]
+            batch = ForwardBatch.causal(tokens, [s.slot for s in seqs], [s.num_cached for s in seqs],
                                         self.target.dtype, self.target.device)
-            index = torch.tensor([[len(c) - 1] for c in chunks], device=self.target.device)
+            index = torch.tensor([[n - 1] for _, n in group], device=self.target.device)
             out = self.target.forward(batch, logits_index=index, capture_aux=self.needs_aux,
                                       compute_logits=any(finishing))
-            for j, (i, c) in enumerate(zip(rows, chunks)):
+            for row, (seq, n) in enumerate(group):
                 if self.needs_aux:
-                    aux[i].append(out.aux_hidden[j, : len(c)])
-                if finishing[j]:
-                    last_logits[i] = out.logits[j, 0]
-                done[i] += len(c)
+                    seq.prompt_aux.append(out.aux_hidden[row, :n])
+                if finishing[row]:
+                    last_logits[id(seq)] = out.logits[row, 0]
+                seq.num_cached += n
         elapsed = time.perf_counter() - start
-        for seq, logits, row_aux in zip(seqs, last_logits, aux):
-            seq.num_cached = len(seq.token_ids)
-            logits = logits[None]  # [1, V]
+        for seq in prefilled:
+            seq.stats.prefill_time += elapsed
+        ready = [seq for seq in prefilled if id(seq) in last_logits]
+        for seq in ready:
+            logits = last_logits[id(seq)][None]  # [1, V]
             if seq.params.greedy:
                 token = int(logits.argmax(dim=-1))
             else:
                 probs = logits_to_probs(logits, SamplingTensors.from_params([seq.params], logits.device))
                 token = int(sample(probs, [seq.generator]))
             self._append(seq, [token], logits)
+            if self.needs_aux:
+                seq.prompt_aux = [torch.cat(seq.prompt_aux)]
+            if self._reuses_prefixes:
+                self._cache_prefix(seq)
             if not seq.finished:
-                self._call_drafter("add_sequence", seq, torch.cat(row_aux) if self.needs_aux else None)
-            seq.stats.prefill_time += elapsed
+                self._call_drafter("add_sequence", seq, seq.prompt_aux[0] if self.needs_aux else None)
+        return ready
 
     def _draft_budget(self, seq: Sequence) -> int:
         room = min(seq.params.max_tokens - seq.num_output_tokens, self.max_model_len - len(seq.token_ids))
@@ -376,16 +440,3 @@ class LLMEngine:
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason, seq.stop_reason = reason, stop_reason
         seq.finish_time = time.monotonic()
-
-    def _report(self, seq: Sequence) -> RequestOutput:
-        delta_ids = seq.token_ids[seq.num_prompt_tokens + seq.num_reported_tokens:]
-        seq.num_reported_tokens = seq.num_output_tokens
-        return RequestOutput(
-            request_id=seq.request_id, prompt=seq.prompt, prompt_token_ids=seq.token_ids[: seq.num_prompt_tokens],
-            outputs=[CompletionOutput(0, seq.detokenizer.text, seq.output_token_ids, seq.finish_reason,
-                                      seq.stop_reason, list(seq.logprobs) if seq.logprobs is not None else None)],
-            finished=seq.finished, delta_text=seq.detokenizer.next_delta(seq.finished), delta_token_ids=delta_ids,
-            stats=seq.stats,
-            metrics={"arrival_time": seq.arrival_time, "first_token_time": seq.first_token_time,
-                     "finish_time": seq.finish_time},
-        )

@@ -34,7 +34,11 @@ class Sequence:
 
     Attributes:
         token_ids: prompt followed by the output so far. The target's cache holds every token but the last.
-        num_cached: target cache positions that hold committed tokens (``len(token_ids) - 1`` between rounds).
+        num_cached: target cache positions that hold committed tokens (``len(token_ids) - 1`` between rounds;
+            while the prompt is being prefilled, its tokens cached so far, reused prefix included).
+        num_reused: prompt tokens whose keys/values came from the prefix cache instead of a prefill.
+        prompt_aux: the target's aux hidden states of the cached prompt positions so far (float [n, 3H] pieces, in
+            order), kept for drafters that need them (``add_sequence``) and for the prefix cache.
         slot: the cache row (target and draft caches) while running, else -1.
         generator: the verifier's random stream (acceptance tests, bonus samples).
         draft_generator: the drafter's random stream (draft samples), independent of the verifier's.
@@ -50,6 +54,8 @@ class Sequence:
     detokenizer: IncrementalDetokenizer
     slot: int = -1
     num_cached: int = 0
+    num_reused: int = 0
+    prompt_aux: list[torch.Tensor] = field(default_factory=list)
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: str | None = None
     stop_reason: int | str | None = None
@@ -71,6 +77,25 @@ class Sequence:
     @property
     def finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
+
+    @property
+    def prefilling(self) -> bool:
+        """Part of the prompt is not in the target's cache yet (no token sampled)."""
+        return self.num_cached < self.num_prompt_tokens
+
+    def report(self) -> RequestOutput:
+        """The request's output so far, with what is new since its previous report."""
+        delta_ids = self.token_ids[self.num_prompt_tokens + self.num_reported_tokens:]
+        self.num_reported_tokens = self.num_output_tokens
+        return RequestOutput(
+            request_id=self.request_id, prompt=self.prompt, prompt_token_ids=self.token_ids[: self.num_prompt_tokens],
+            outputs=[CompletionOutput(0, self.detokenizer.text, self.output_token_ids, self.finish_reason,
+                                      self.stop_reason, list(self.logprobs) if self.logprobs is not None else None)],
+            finished=self.finished, delta_text=self.detokenizer.next_delta(self.finished), delta_token_ids=delta_ids,
+            stats=self.stats,
+            metrics={"arrival_time": self.arrival_time, "first_token_time": self.first_token_time,
+                     "finish_time": self.finish_time},
+        )
 
 
 @dataclass

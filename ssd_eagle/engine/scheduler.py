@@ -1,0 +1,142 @@
+"""Which requests run in an engine step: admission under a KV memory budget, and the step's token budget (vLLM's
+scheduler with chunked prefill, reduced to what :class:`~ssd_eagle.engine.llm_engine.LLMEngine` needs).
+
+Admission is first come, first served: the oldest waiting request gets the lowest free cache slot when one is
+free and, under a KV budget, when the store it would need still fits. The target's store is ``rows x capacity``
+positions (:class:`~ssd_eagle.kv_cache.KVCache`): rows up to the highest live slot, capacity the longest
+*reservation* of a live request, ``prompt + max_tokens + one round`` (the last token and ``max_draft_tokens``
+draft positions), so every admitted request has room to its worst case. Cached prefix blocks count against the
+budget too and are evicted before a request is made to wait; a request that cannot fit even alone is refused when
+it is added.
+
+Each step has a token budget, ``max_num_batched_tokens``: every decoding request's round (one token plus up to
+``max_draft_tokens`` drafts) counts first, and what is left goes to prompt chunks of the prefilling requests, in
+admission order, at most ``prefill_chunk`` tokens each, so a long prompt is prefilled a chunk per step while the
+running requests keep their rounds. A request whose prompt completes joins that step's round, so a step may pass
+the budget by that request's round.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from ssd_eagle.engine.sequence import Sequence, SequenceStatus
+from ssd_eagle.kv_cache import KVCache
+from ssd_eagle.prefix_cache import PrefixCache
+
+GIB = 2**30
+POSITION_GRANULARITY = 256  # the store's capacity grows in multiples of this many positions (see KVCache.reserve)
+
+
+class Scheduler:
+    """Waiting and running requests, their slots, and the two budgets.
+
+    Args:
+        max_num_seqs: requests running together (cache slots ``0 .. max_num_seqs-1``).
+        max_num_batched_tokens: tokens one step may forward (rounds first, then prompt chunks).
+        prefill_chunk: most prompt tokens of one request per step.
+        tokens_per_round: most tokens a running request's round forwards (1 + most draft tokens).
+        max_len: the most positions a slot can hold.
+        bytes_per_position: bytes of one position of one slot in the target's store.
+        kv_cache_memory: the KV budget in GiB (store plus cached prefixes), or None for no budget.
+
+    Raises:
+        ValueError: a non-positive ``max_num_batched_tokens``, ``prefill_chunk`` or ``kv_cache_memory``.
+    """
+
+    def __init__(self, max_num_seqs: int, max_num_batched_tokens: int, prefill_chunk: int, tokens_per_round: int,
+                 max_len: int, bytes_per_position: int, kv_cache_memory: float | None = None):
+        for name, value in (("max_num_batched_tokens", max_num_batched_tokens), ("prefill_chunk", prefill_chunk),
+                            ("kv_cache_memory", 1 if kv_cache_memory is None else kv_cache_memory)):
+            if not value > 0:
+                raise ValueError(f"{name} must be positive, got {value}")
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.prefill_chunk = prefill_chunk
+        self.tokens_per_round = tokens_per_round
+        self.max_len = max_len
+        self.bytes_per_position = bytes_per_position
+        self.budget = int(kv_cache_memory * GIB) if kv_cache_memory is not None else None
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self._free_slots = list(range(max_num_seqs - 1, -1, -1))  # pop() hands out the lowest slot first
+
+    # the KV budget
+    def reservation(self, seq: Sequence) -> int:
+        """Positions ``seq`` may ever write: prompt + max_tokens + one round, rounded up to the store's growth
+        step (at most ``max_len``)."""
+        need = seq.num_prompt_tokens + seq.params.max_tokens + self.tokens_per_round
+        return min(-(-need // POSITION_GRANULARITY) * POSITION_GRANULARITY, self.max_len)
+
+    def store_shape(self) -> tuple[int, int]:
+        """(rows, capacity) the target's store needs for the running requests (at least one row and one step)."""
+        rows = max((s.slot for s in self.running), default=0) + 1
+        capacity = max((self.reservation(s) for s in self.running), default=POSITION_GRANULARITY)
+        return rows, min(capacity, self.max_len)
+
+    def fit(self, kv: KVCache, prefixes: PrefixCache | None, resize: bool = True) -> None:
+        """Resize the target's store ``kv`` to the running requests (unless ``resize`` is False: CUDA graphs pin
+        its addresses) and trim ``prefixes`` to what the KV budget leaves."""
+        rows, capacity = self.store_shape()
+        if resize:
+            kv.limit = capacity
+            kv.resize(rows, min(kv.capacity, capacity))
+        if prefixes is not None and self.budget is not None:
+            prefixes.evict(self.budget - rows * capacity * kv.bytes_per_position)
+
+    def check_fits(self, seq: Sequence) -> None:
+        """Raises ValueError (naming ``max_tokens`` and ``kv_cache_memory``) when ``seq`` alone would not fit."""
+        if self.budget is None:
+            return
+        need = self.reservation(seq) * self.bytes_per_position
+        if need > self.budget:
+            raise ValueError(
+                f"prompt ({seq.num_prompt_tokens} tokens) + max_tokens ({seq.params.max_tokens}) needs "
+                f"{need / GIB:.3g} GiB of KV cache, more than kv_cache_memory ({self.budget / GIB:.3g} GiB)")
+
+    def _fits(self, seq: Sequence, slot: int, prefixes: PrefixCache | None) -> bool:
+        if self.budget is None:
+            return True
+        rows, capacity = self.store_shape()
+        need = max(rows, slot + 1) * max(capacity, self.reservation(seq)) * self.bytes_per_position
+        if need > self.budget:
+            return False
+        if prefixes is not None:
+            prefixes.evict(self.budget - need)
+        return True
+
+    # admission and release
+    def admit(self, prefixes: PrefixCache | None = None) -> list[Sequence]:
+        """Move waiting requests into free slots, oldest first, while the KV budget allows; returns them."""
+        admitted = []
+        while self.waiting and self._free_slots and self._fits(self.waiting[0], self._free_slots[-1], prefixes):
+            seq = self.waiting.popleft()
+            seq.slot = self._free_slots.pop()
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            admitted.append(seq)
+        return admitted
+
+    def remove(self, seq: Sequence) -> None:
+        """Forget ``seq`` (waiting or running); a running request's slot is freed."""
+        if seq in self.waiting:
+            self.waiting.remove(seq)
+        if seq in self.running:
+            self.running.remove(seq)
+            self._free_slots.append(seq.slot)
+            self._free_slots.sort(reverse=True)
+            seq.slot = -1
+
+    # the token budget
+    def prefill_chunks(self, num_decoding: int) -> list[tuple[Sequence, int]]:
+        """This step's prompt chunks ``(request, tokens)`` once ``num_decoding`` rounds have taken their share."""
+        budget = self.max_num_batched_tokens - num_decoding * self.tokens_per_round
+        chunks = []
+        for seq in self.running:
+            if budget <= 0:
+                break
+            if not seq.prefilling:
+                continue
+            n = min(seq.num_prompt_tokens - seq.num_cached, self.prefill_chunk, budget)
+            chunks.append((seq, n))
+            budget -= n + (self.tokens_per_round if n == seq.num_prompt_tokens - seq.num_cached else 0)
+        return chunks

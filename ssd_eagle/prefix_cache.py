@@ -1,0 +1,121 @@
+"""Automatic prefix caching: the target's keys/values of prompt prefixes, reused by later requests that share them
+(a system prompt, the earlier turns of a conversation).
+
+As in vLLM's automatic prefix caching, tokens are cut into blocks of ``block_size`` and block i is keyed by a hash
+chained over blocks ``0 .. i`` (SHA-256 of the previous key and the block's token ids), so a key names the whole
+prefix up to the block's end and two requests share a block only when they agree on every token before it. A
+block holds, for its positions, the keys and values of every layer and, when the drafter needs them (EAGLE-3), the
+target's aux hidden states: a drafter's ``add_sequence`` takes the aux states of the whole prompt, cached part
+included.
+
+The cache is bounded in bytes and evicts least recently used blocks first. A lookup or insert refreshes a chain
+from its tail to its head, so a prefix's first block is always more recent than its later ones and eviction cuts
+chains from the tail, never orphaning a tail whose head is gone.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import torch
+
+from ssd_eagle.kv_cache import KVCache
+
+
+@dataclass
+class Block:
+    """One cached block.
+
+    Attributes:
+        kv: ``[num_layers, 2, kv_heads, block_size, head_dim]`` keys (0) and values (1), as
+            :meth:`KVCache.read` returns them.
+        aux: float ``[block_size, 3 * H]`` aux hidden states of the block's positions, or None.
+    """
+
+    kv: torch.Tensor
+    aux: torch.Tensor | None
+
+    @property
+    def nbytes(self) -> int:
+        return self.kv.nbytes + (self.aux.nbytes if self.aux is not None else 0)
+
+
+class PrefixCache:
+    """A bounded LRU map from chained block hashes to cached blocks.
+
+    Args:
+        max_bytes: the most bytes its blocks may hold (keys, values and aux states).
+        block_size: tokens per block.
+
+    Raises:
+        ValueError: ``block_size`` < 1 or ``max_bytes`` < 0.
+    """
+
+    def __init__(self, max_bytes: int, block_size: int = 64):
+        if block_size < 1 or max_bytes < 0:
+            raise ValueError(f"block_size must be >= 1 and max_bytes >= 0, got {block_size} and {max_bytes}")
+        self.max_bytes = max_bytes
+        self.block_size = block_size
+        self.blocks: OrderedDict[bytes, Block] = OrderedDict()  # least recently used first
+        self.nbytes = 0
+
+    def __len__(self) -> int:
+        return len(self.blocks)
+
+    def hashes(self, tokens: list[int]) -> list[bytes]:
+        """Chained keys of the full blocks of ``tokens`` (a trailing partial block has none)."""
+        keys, key = [], b""
+        for start in range(0, len(tokens) - self.block_size + 1, self.block_size):
+            key = hashlib.sha256(key + array("q", tokens[start: start + self.block_size]).tobytes()).digest()
+            keys.append(key)
+        return keys
+
+    def load(self, tokens: list[int], kv: KVCache, slot: int) -> tuple[int, torch.Tensor | None]:
+        """Copy the longest cached prefix of ``tokens`` into positions ``0 ..`` of ``slot``.
+
+        Returns:
+            (cached tokens n, a multiple of ``block_size``; their aux states ``[n, 3H]`` or None).
+        """
+        blocks = []
+        for key in self.hashes(tokens):
+            block = self.blocks.get(key)
+            if block is None:
+                break
+            blocks.append((key, block))
+        if not blocks:
+            return 0, None
+        self._refresh([key for key, _ in blocks])
+        kv.write(slot, 0, torch.cat([b.kv for _, b in blocks], dim=3))
+        aux = [b.aux for _, b in blocks]
+        return len(blocks) * self.block_size, torch.cat(aux) if all(a is not None for a in aux) else None
+
+    def save(self, tokens: list[int], kv: KVCache, slot: int, aux: torch.Tensor | None) -> None:
+        """Cache the full blocks of ``tokens``, whose keys/values are positions ``0 .. len(tokens)-1`` of ``slot``
+        (and whose aux states are ``aux[: len(tokens)]`` when given); blocks already cached are only refreshed.
+        Evicts least recently used blocks to stay within ``max_bytes``."""
+        keys = self.hashes(tokens)
+        new = [i for i, key in enumerate(keys) if key not in self.blocks]
+        if new:
+            bs, first = self.block_size, new[0]
+            data = kv.read(slot, first * bs, len(keys) * bs)
+            for i in new:
+                part = slice((i - first) * bs, (i - first + 1) * bs)
+                block = Block(data[:, :, :, part].clone(), aux[i * bs: (i + 1) * bs].clone() if aux is not None
+                              else None)
+                self.blocks[keys[i]] = block
+                self.nbytes += block.nbytes
+        self._refresh(keys)
+        self.evict(self.max_bytes)
+
+    def evict(self, max_bytes: int) -> None:
+        """Drop least recently used blocks until at most ``max_bytes`` are held."""
+        while self.nbytes > max_bytes and self.blocks:
+            _, block = self.blocks.popitem(last=False)
+            self.nbytes -= block.nbytes
+
+    def _refresh(self, chain: list[bytes]) -> None:
+        for key in reversed(chain):  # the head ends most recent: eviction takes tails first
+            self.blocks.move_to_end(key)

@@ -1,0 +1,94 @@
+"""Bounded KV memory: the target's store follows the live requests (it shrinks back after a long one), admission
+reserves prompt + max_tokens + one round against ``kv_cache_memory`` (requests that do not fit now wait, one that
+never fits is refused naming the field), and cached prefixes give way to live requests."""
+
+from __future__ import annotations
+
+import pytest
+
+from helpers import make_tiny_llama, reference_greedy
+from serving_helpers import build_engine, long_prompts
+from ssd_eagle.engine.scheduler import GIB
+from ssd_eagle.kv_cache import KVCache
+from ssd_eagle.sampling_params import SamplingParams
+
+POSITION = 2 * 4 * 2 * 16 * 8  # bytes per position of make_tiny_llama(): layers x (k, v) x kv heads x head dim x 8
+
+
+def run(engine, usage: list | None = None) -> None:
+    while engine.has_unfinished():
+        engine.step()
+        if usage is not None:
+            usage.append(engine.kv_cache_usage[0])
+
+
+def test_the_store_shrinks_back_after_a_long_request(byte_tokenizer):
+    target = make_tiny_llama(seed=4)
+    engine = build_engine("ar", target, byte_tokenizer, max_num_seqs=4, enable_prefix_caching=False)
+    kv = engine.target.kv
+    assert kv.bytes_per_position == POSITION
+    engine.add_request("warm", [1, 2, 3], SamplingParams(temperature=0.0, max_tokens=4))
+    run(engine)
+    idle = kv.nbytes
+    assert idle == 256 * POSITION  # one row of one growth step
+    engine.add_request("long", long_prompts(seed=1, lengths=(400,))[0], SamplingParams(max_tokens=8))
+    engine.add_request("short", [4, 5], SamplingParams(temperature=0.0, max_tokens=60))
+    peak = []
+    run(engine, peak)
+    assert max(peak) >= 2 * 400 * POSITION
+    assert kv.nbytes == idle and engine.kv_cache_usage == (idle, None)
+
+
+def test_a_request_that_can_never_fit_is_refused_naming_the_field(byte_tokenizer):
+    target = make_tiny_llama(seed=4)
+    engine = build_engine("ar", target, byte_tokenizer, kv_cache_memory=512 * POSITION / GIB)
+    engine.add_request("fits", [1] * 200, SamplingParams(max_tokens=300))  # 501 positions: 512 reserved
+    with pytest.raises(ValueError, match="max_tokens.*kv_cache_memory"):
+        engine.add_request("never", [1] * 300, SamplingParams(max_tokens=212))  # 513 positions
+    assert "never" not in engine.requests
+    for value in (0, -1.0):
+        with pytest.raises(ValueError, match="kv_cache_memory"):
+            build_engine("ar", target, byte_tokenizer, kv_cache_memory=value)
+    with pytest.raises(ValueError, match="max_num_batched_tokens"):
+        build_engine("ar", target, byte_tokenizer, max_num_batched_tokens=0)
+
+
+@pytest.mark.parametrize("kind", ["ar", "ngram"])
+def test_requests_wait_for_room_and_the_budget_holds(kind, byte_tokenizer):
+    target = make_tiny_llama(seed=4)
+    budget = 2 * 512 * POSITION  # two rows of 512 positions, or one long request
+    engine = build_engine(kind, target, byte_tokenizer, max_num_seqs=3, kv_cache_memory=budget / GIB,
+                          prefix_cache_memory=budget / GIB)
+    prompts = long_prompts(seed=2, lengths=(300, 250, 20, 30))
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (150, 10, 10, 200)]
+    for i, (prompt, p) in enumerate(zip(prompts, params)):
+        engine.add_request(str(i), prompt, p)
+    engine.step()
+    # "0" reserves 512 positions in slot 0 and "1" 512 in slot 1: the store is full; "2" waits although a slot is
+    # free, and "3" (first come, first served) waits behind it
+    assert [s.request_id for s in engine.running] == ["0", "1"]
+    assert [s.request_id for s in engine.waiting] == ["2", "3"]
+    outputs = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                outputs[out.request_id] = out.token_ids
+        assert engine.kv_cache_usage[0] <= budget
+    assert engine.prefix_cache.nbytes > 0  # the prefix cache filled what live requests left
+    for i, (prompt, p) in enumerate(zip(prompts, params)):
+        assert outputs[str(i)] == reference_greedy(target, prompt, p.max_tokens, eos=set())
+
+
+def test_resize_keeps_the_contents_that_fit():
+    import torch
+
+    kv = KVCache(2, 3, 2, 4, 1024, torch.float64, "cpu")
+    kv.reserve(600)
+    for store in (*kv.keys, *kv.values):
+        store.copy_(torch.randn(store.shape, dtype=store.dtype))
+    before = kv.read(1, 0, 300)
+    kv.resize(2, 300)
+    assert (kv.num_rows, kv.capacity, kv.nbytes) == (2, 300, 2 * 300 * kv.bytes_per_position)
+    torch.testing.assert_close(kv.read(1, 0, 300), before, rtol=0, atol=0)
+    with pytest.raises(ValueError, match="resize"):
+        kv.resize(4, 300)
