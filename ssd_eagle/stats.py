@@ -43,6 +43,8 @@ class SpecStats:
         accepted_lengths: k of every round, in order.
         cache_lookups / cache_hits: SSD speculation cache lookups and hits.
         hits_per_k / lookups_per_k: the same split by the looked-up accepted length k.
+        wait_on_hit / wait_on_miss: seconds the verifier waited for its drafts in rounds whose lookup hit / missed
+            (per row: a batch's wait counts once for each of its rows); means per round in :meth:`summary`.
         verify_time: seconds spent in target forwards + verification.
         draft_time: seconds the verifier spent obtaining drafts (drafting, or waiting for the speculator).
         prefill_time: seconds spent in prefill.
@@ -61,6 +63,8 @@ class SpecStats:
     rounds_on_hit: int = 0
     emitted_on_miss: int = 0
     rounds_on_miss: int = 0
+    wait_on_hit: float = 0.0
+    wait_on_miss: float = 0.0
     verify_time: float = 0.0
     draft_time: float = 0.0
     prefill_time: float = 0.0
@@ -73,8 +77,9 @@ class SpecStats:
         self.num_emitted += num_emitted
         self.accepted_lengths.append(num_accepted)
 
-    def record_lookup(self, k: int, hit: bool, num_emitted: int) -> None:
-        """Record one speculation cache lookup for accepted length ``k`` and the tokens the round then emitted."""
+    def record_lookup(self, k: int, hit: bool, num_emitted: int, wait: float = 0.0) -> None:
+        """Record one speculation cache lookup for accepted length ``k``, the tokens the round then emitted and the
+        seconds the verifier waited for the round's drafts."""
         self.cache_lookups += 1
         self.lookups_per_k[k] = self.lookups_per_k.get(k, 0) + 1
         if hit:
@@ -82,7 +87,9 @@ class SpecStats:
             self.hits_per_k[k] = self.hits_per_k.get(k, 0) + 1
             self.emitted_on_hit += num_emitted
             self.rounds_on_hit += 1
+            self.wait_on_hit += wait
         else:
+            self.wait_on_miss += wait
             self.emitted_on_miss += num_emitted
             self.rounds_on_miss += 1
 
@@ -112,8 +119,8 @@ class SpecStats:
     def merge(self, other: SpecStats) -> SpecStats:
         """Add ``other``'s counters into this one (in place) and return self."""
         for name in ("num_rounds", "num_emitted", "num_drafted", "num_accepted", "cache_lookups", "cache_hits",
-                     "emitted_on_hit", "rounds_on_hit", "emitted_on_miss", "rounds_on_miss", "verify_time",
-                     "draft_time", "prefill_time"):
+                     "emitted_on_hit", "rounds_on_hit", "emitted_on_miss", "rounds_on_miss", "wait_on_hit",
+                     "wait_on_miss", "verify_time", "draft_time", "prefill_time"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         self.accepted_lengths.extend(other.accepted_lengths)
         for mine, theirs in ((self.lookups_per_k, other.lookups_per_k), (self.hits_per_k, other.hits_per_k)):
@@ -137,4 +144,8 @@ class SpecStats:
             out["cache_hit_rate_per_k"] = {
                 k: round(self.hits_per_k.get(k, 0) / n, 4) for k, n in sorted(self.lookups_per_k.items())
             }
+            for name, wait, rounds in (("hit", self.wait_on_hit, self.rounds_on_hit),
+                                       ("miss", self.wait_on_miss, self.rounds_on_miss)):
+                out[f"rounds_on_{name}"] = rounds
+                out[f"wait_on_{name}_ms"] = round(1e3 * wait / rounds, 3) if rounds else None
         return out

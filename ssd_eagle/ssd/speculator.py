@@ -39,6 +39,7 @@ from ssd_eagle.drafters.ngram import lookup_continuation
 from ssd_eagle.drafters.tree import TreeSettings, grow_trees
 from ssd_eagle.kv_cache import ForwardBatch
 from ssd_eagle.sampling_params import SamplingParams
+from ssd_eagle.ssd.budget import BuildBudget
 from ssd_eagle.ssd.fanout import largest_remainder
 
 
@@ -132,6 +133,7 @@ class Speculator:
         self.power = power
         self.seqs: dict[int, _Seq] = {}
         self.stats = SpeculatorStats()
+        self.budget = BuildBudget()  # caps the branches so that a build fits in one verification
         self._to_build: list[tuple[_Seq, bool]] = []
 
     # sequence lifetime
@@ -227,8 +229,10 @@ class Speculator:
 
     # building the speculation cache
     @torch.inference_mode()
-    def build(self) -> None:
-        """Pre-draft the next proposal for every predicted outcome of the rows of the last :meth:`propose`."""
+    def build(self, poll=None) -> None:
+        """Pre-draft the next proposal for every predicted outcome of the rows of the last :meth:`propose`, at most
+        ``self.budget.cap()`` branches (the padded rows x branches per row; best candidates kept first).
+        ``poll`` (no arguments) is called between branch forwards (the worker notes there when PROPOSE arrives)."""
         start = time.perf_counter()
         rows = [(s, missed) for s, missed in self._to_build if s.slot in self.seqs and s.proposal is not None]
         self._to_build = []
@@ -244,11 +248,17 @@ class Speculator:
         for r, (seq, missed) in enumerate(rows):
             branches.append(self._outcomes(seq, node_logits[r], node_kv[r], missed,
                                            node_hidden[r] if node_hidden is not None else None))
+        cap = self.budget.cap()
+        if cap is not None:  # best first: every node's best candidate, then every node's second, ...
+            branches = [sorted(row, key=lambda br: br["rank"])[: max(cap // len(rows), cap > 0)] for row in branches]
         if any(branches):
+            fixed, before = time.perf_counter() - start, self.backend.forwards
             if self.tree is not None:
                 self._draft_branch_trees(seqs, branches)
             else:
-                self._draft_branch_chains(seqs, branches)
+                self._draft_branch_chains(seqs, branches, poll)
+            self.budget.observe_build(fixed, len(rows) * max(map(len, branches)), self.backend.forwards - before,
+                                      time.perf_counter() - start - fixed)
         self.stats.build_time += time.perf_counter() - start
         self.stats.builds += 1
 
@@ -306,8 +316,8 @@ class Speculator:
                 continue
             cands = bonus_candidates(logits[u], {proposal.tokens[c - 1] for c in children[u]}, fan[u])
             seq.candidates[paths[u]] = cands
-            for t in cands:
-                branches.append({"key": (paths[u], t), "token": t, "depth": depth[u], "visible": anc[u],
+            for rank, t in enumerate(cands):
+                branches.append({"key": (paths[u], t), "token": t, "rank": rank, "depth": depth[u], "visible": anc[u],
                                  "feature": None if hidden is None else hidden[u]})
         return branches
 
@@ -349,7 +359,7 @@ class Speculator:
         region = torch.tensor([kv_end(seq, b.offset) for seq in seqs])[:, None]
         return tokens, root_pos, base, feats, region, F
 
-    def _draft_branch_chains(self, seqs: list[_Seq], branches: list[list[dict]]) -> None:
+    def _draft_branch_chains(self, seqs: list[_Seq], branches: list[list[dict]], poll=None) -> None:
         """K tokens for every branch: K tree-masked forwards over all branches of all rows at once. Branch i of
         row r writes its root at cache position ``region_r + i`` and its token of chain index j at
         ``region_r + (j + 1) * F + i``; it sees the committed text, the path to its node and its own writes."""
@@ -360,6 +370,8 @@ class Speculator:
 
         def feed(rows, toks: torch.Tensor, hidden: torch.Tensor | None, index: int):
             """The draft_chain feed over all B * F branches: their tokens of chain index ``index`` (-1: the roots)."""
+            if poll is not None:
+                poll()
             write = region + (index + 1) * F + branch_idx  # [B, F]
             cols = torch.arange(max(int(write.max()) + 1, base.shape[-1]))[None, None, :]
             visible = (cols >= region[..., None]) & ((cols - region[..., None]) % F == branch_idx[..., None]) & \

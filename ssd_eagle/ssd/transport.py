@@ -81,6 +81,7 @@ class Channel:
         self.header = torch.zeros(HEADER, dtype=torch.long, device=device)
         self.ints = torch.zeros(max_ints, dtype=torch.long, device=device)
         self.floats = torch.zeros(max_floats, dtype=self.float_dtype, device=device)
+        self._posted = None  # a header receive started by poll()
 
     def send(self, msg: Message) -> None:
         """Send one message (int payloads as int64, floats in ``float_dtype``)."""
@@ -101,13 +102,20 @@ class Channel:
                 broke.
             ProtocolMismatch: the peer's header carries another protocol version.
         """
-        self._recv_into(self.header, timeout)
+        posted, self._posted = self._posted, None
+        self._recv_into(self.header, timeout, posted)
         version, command, n_i, n_f = self.header.tolist()
         if version != PROTOCOL_VERSION:
             raise ProtocolMismatch(f"the peer speaks SSD protocol version {version}, this side {PROTOCOL_VERSION}")
         ints = self._payload(self.ints, n_i, torch.long, timeout)
         floats = self._payload(self.floats, n_f, self.float_dtype, timeout)
         return Message(command, ints, floats)
+
+    def poll(self) -> bool:
+        """Whether the next message's header has arrived (never blocks; the next :meth:`recv` completes it)."""
+        if self._posted is None:
+            self._posted = self.group.recv([self.header], self.peer, 0)
+        return self._posted.is_completed()
 
     def _send(self, tensor: torch.Tensor) -> None:
         self.group.send([tensor], self.peer, 0).wait()
@@ -119,9 +127,9 @@ class Channel:
         self._recv_into(target, timeout)
         return target
 
-    def _recv_into(self, tensor: torch.Tensor, timeout: float | None) -> None:
+    def _recv_into(self, tensor: torch.Tensor, timeout: float | None, work=None) -> None:
         try:
-            work = self.group.recv([tensor], self.peer, 0)
+            work = work or self.group.recv([tensor], self.peer, 0)
             if timeout is None:
                 work.wait()
             elif not work.wait(datetime.timedelta(seconds=timeout)):

@@ -87,11 +87,21 @@ def worker_main(settings: SpeculatorSettings, draft, startup_timeout: float = 30
 
 def serve(speculator, channel: t.Channel, intervals: list[float]) -> None:
     """The request loop until SHUTDOWN (also handy to drive from a test); ``intervals`` collects every build's
-    wall-clock start and end."""
+    wall-clock start and end. The verification time (reply sent -> next PROPOSE arrived, noted by polling between
+    the build's forwards) sizes the next builds (:mod:`ssd_eagle.ssd.budget`)."""
+    sent = arrived = None
+
+    def poll() -> None:
+        nonlocal arrived
+        if arrived is None and channel.poll():
+            arrived = time.perf_counter()
+
     while True:
         msg = channel.recv()
         if msg.command == p.SHUTDOWN:
             return
+        if msg.command != p.PROPOSE:  # the verifier did something else than verify: no verification time
+            sent = None
         if msg.command == p.ADD:
             seq = p.decode_add(msg)
             speculator.add(seq.slot, seq.token_ids, seq.params, seq.seed, seq.aux)
@@ -100,18 +110,22 @@ def serve(speculator, channel: t.Channel, intervals: list[float]) -> None:
         elif msg.command == p.STATS:
             channel.send(p.encode_stats(speculator.stats, intervals))
         elif msg.command == p.PROPOSE:
+            if sent is not None:
+                speculator.budget.observe_verify((arrived or time.perf_counter()) - sent)
             try:
                 replies = speculator.propose(p.decode_propose(msg))
             except Exception:  # noqa: BLE001 - the verifier must hear back, whatever broke
                 channel.send(p.Message(p.ERROR))
                 raise
             channel.send(p.encode_reply(replies))
+            sent, arrived = time.perf_counter(), None
             start = time.time()
             try:
-                speculator.build()
+                speculator.build(poll)
             except Exception:  # noqa: BLE001 - a failed build only costs hits: every lookup will miss
                 for seq in speculator.seqs.values():
                     seq.cache = {}
+            poll()
             intervals.extend([start, time.time()])
         else:
             raise RuntimeError(f"unknown command {msg.command}")

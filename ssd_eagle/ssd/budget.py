@@ -1,0 +1,113 @@
+"""Time-sized builds of the speculation cache: the fan-out the speculator builds fits inside one verification.
+
+SSD (Kumar, Dao, May 2026, Sec. 4) overlaps the build of the next speculation cache with the target's verification;
+a build that runs longer than the verification makes the verifier wait for the next reply. The speculator therefore
+measures
+
+- the verifier's verification time: from sending a reply to the arrival of the next PROPOSE
+  (:func:`ssd_eagle.ssd.worker.serve`),
+- its own build cost: the fixed part (the forward over the proposal's nodes) and the cost of one branch-step (one
+  tree-masked forward over all branches), modelled as ``a + b * n`` seconds for ``n`` branches (the padded
+  ``rows * branches per row``) and fitted by exponentially weighted least squares,
+
+and caps the branches it builds (best candidates kept first) with :func:`branch_cap`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+
+def branch_cap(budget_s: float, fixed_s: float, steps: float, forward_s: float, per_branch_s: float,
+               margin: float = 0.8) -> int:
+    """The most branches whose build fits in ``margin * budget_s`` seconds.
+
+    A build costs ``fixed_s + steps * (forward_s + per_branch_s * n)`` for ``n`` branches: ``steps`` branch-step
+    forwards (K for chains), each ``forward_s`` plus ``per_branch_s`` per branch.
+
+    Returns:
+        the largest ``n >= 0`` that fits (0: not even one branch fits; a huge number when branches cost nothing).
+
+    Raises:
+        ValueError: a negative time or step count, or a margin outside (0, 1].
+    """
+    if min(budget_s, fixed_s, steps, forward_s, per_branch_s) < 0:
+        raise ValueError("branch_cap needs non-negative times and step counts")
+    if not 0 < margin <= 1:
+        raise ValueError(f"margin must lie in (0, 1], got {margin}")
+    room = margin * budget_s - fixed_s - steps * forward_s
+    if room < 0:
+        return 0
+    if steps == 0 or per_branch_s == 0:
+        return 1 << 30
+    return int(math.floor(room / (steps * per_branch_s) + 1e-9))
+
+
+@dataclass
+class BuildBudget:
+    """Exponential moving averages of the verification time and of the build's costs (seconds, ``perf_counter``).
+
+    Attributes:
+        margin: the share of a verification the predicted build may fill.
+        alpha: the weight of the newest observation.
+        verify_s: the verification time (None until observed: no cap, e.g. an in-process speculator).
+        probe_every: while not even one branch fits, every this many builds still build one branch per row (so
+            that the costs stay measured and the cap comes back when verifications grow longer).
+
+    The first build is not observed: it pays one-off warm-up costs (allocations, kernel selection).
+    """
+
+    margin: float = 0.8
+    alpha: float = 0.2
+    verify_s: float | None = None
+    fixed_s: float = 0.0
+    steps: float = 0.0
+    _n: float = 0.0  # moments of (branches, seconds per forward)
+    _t: float = 0.0
+    _nn: float = 0.0
+    _nt: float = 0.0
+    _seen: bool = False
+    probe_every: int = 8
+    _builds: int = 0
+    _capped_out: int = 0
+
+    def _ema(self, old: float, new: float) -> float:
+        return new if not self._seen else old + self.alpha * (new - old)
+
+    def observe_verify(self, seconds: float) -> None:
+        self.verify_s = seconds if self.verify_s is None else self.verify_s + self.alpha * (seconds - self.verify_s)
+
+    def observe_build(self, fixed_s: float, branches: int, steps: int, branch_s: float) -> None:
+        """One build: ``fixed_s`` before the branches, then ``steps`` forwards over ``branches`` in ``branch_s``."""
+        self._builds += 1
+        if steps <= 0 or branches <= 0 or self._builds == 1:
+            return
+        t = branch_s / steps
+        self.fixed_s, self.steps = self._ema(self.fixed_s, fixed_s), self._ema(self.steps, steps)
+        self._n, self._t = self._ema(self._n, branches), self._ema(self._t, t)
+        self._nn, self._nt = self._ema(self._nn, branches * branches), self._ema(self._nt, branches * t)
+        self._seen = True
+
+    def forward_cost(self) -> tuple[float, float]:
+        """(a, b) of the per-forward cost ``a + b * n`` seconds. Until two branch counts were seen it is taken
+        proportional (a = 0: capping then tries fewer branches and so learns the slope); a fitted slope <= 0 means
+        the cost does not depend on n (b = 0)."""
+        if not self._seen:
+            return 0.0, 0.0
+        var = self._nn - self._n * self._n
+        if var <= 1e-6 * self._nn:
+            return 0.0, self._t / self._n
+        b = (self._nt - self._n * self._t) / var
+        if b <= 0:
+            return self._t, 0.0
+        return max(self._t - b * self._n, 0.0), b
+
+    def cap(self) -> int | None:
+        """The branch cap for the next build, or None (no cap) before a verification and a build were measured."""
+        if self.verify_s is None or not self._seen:
+            return None
+        a, b = self.forward_cost()
+        cap = branch_cap(self.verify_s, self.fixed_s, self.steps, a, b, self.margin)
+        self._capped_out = self._capped_out + 1 if cap == 0 else 0
+        return 1 if cap == 0 and self._capped_out % self.probe_every == 0 else cap
