@@ -1,19 +1,26 @@
 """Time-sized builds of the speculation cache (issue 13 item 2): the branch cap, the cost model it reads, and an SSD
 engine whose draft is made slow, which must cap its branches, fit its builds in the verification budget and stay
-lossless; and the verifier's wait per round on hits and on misses."""
+lossless; the worker's measure of the verification while a longer build runs; and the verifier's wait per round on
+hits and on misses."""
 
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
 
 from helpers import make_tiny_llama, noisy_copy, random_prompts, reference_greedy
+from ssd_eagle.drafters.base import Proposal
 from ssd_eagle.engine.llm import LLM
 from ssd_eagle.sampling_params import SamplingParams
+from ssd_eagle.ssd import protocol as p
 from ssd_eagle.ssd.budget import BuildBudget, branch_cap
+from ssd_eagle.ssd.speculator import SpecRequest
+from ssd_eagle.ssd.worker import serve
 from ssd_eagle.stats import SpecStats
 from test_ssd import K, ssd_engine
+from test_ssd_protocol import _pair
 
 
 def test_branch_cap_against_hand_computed_numbers():
@@ -115,3 +122,38 @@ def test_record_lookup_splits_the_wait_by_outcome():
     assert (stats.wait_on_hit, stats.rounds_on_hit) == (pytest.approx(0.001), 1)
     assert (stats.wait_on_miss, stats.rounds_on_miss) == (pytest.approx(0.006), 2)
     assert stats.summary()["wait_on_miss_ms"] == pytest.approx(3.0)
+
+
+class SlowBuildSpeculator:
+    """A speculator whose build takes 60 ms in six steps, polling between them (as the branch forwards do)."""
+
+    def __init__(self):
+        self.budget, self.seqs = BuildBudget(), {}
+
+    def propose(self, requests):
+        return [Proposal([]) for _ in requests]
+
+    def build(self, poll):
+        for _ in range(6):
+            time.sleep(0.01)
+            poll()
+
+
+def test_serve_measures_the_verification_not_the_longer_build():
+    verifier, speculator_end, _store = _pair()
+    assert not speculator_end.poll()  # nothing sent yet (posts the header's receive)
+
+    def verify_rounds():
+        for _ in range(4):
+            verifier.send(p.encode_propose([SpecRequest(0, -1, 0, 3)]))
+            verifier.recv(timeout=10)
+            time.sleep(0.02)  # the verification
+        verifier.send(p.Message(p.SHUTDOWN))
+
+    thread = threading.Thread(target=verify_rounds)
+    thread.start()
+    fake = SlowBuildSpeculator()
+    serve(fake, speculator_end, [])
+    thread.join()
+    # PROPOSE arrives 20 ms after the reply, within the 60 ms build: noticed at the next poll (<= 10 ms later)
+    assert 0.015 <= fake.budget.verify_s <= 0.045
