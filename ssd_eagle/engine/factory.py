@@ -200,4 +200,8 @@ def build(config, target=None, placement=None, *, tokenizer=None, draft: nn.Modu
                        max_draft_tokens=spec.max_draft_tokens if spec else 0,
                        cuda_graphs=placement.captures and not config.eager,
                        compile=placement.captures and config.compile)
+    if spec is not None:
+        from ssd_eagle.planner import planner_for
+
+        engine.planner = planner_for(engine, spec)
     return placement.attach(engine)
