@@ -116,10 +116,11 @@ def measure_verify_costs(runner, max_new: int, max_batch: int = 1, context: int 
         verify[b] = row
     table = CostTable(verify, key)
     if cache:
+        from ssd_eagle.io import atomic_write
+
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".tmp{os.getpid()}")
-        tmp.write_text(table.to_json())
-        os.replace(tmp, path)
+        with atomic_write(path) as tmp:
+            tmp.write_text(table.to_json())
     return table
 
 
