@@ -87,6 +87,8 @@ class LLMEngine:
                                         device=self.target.device, widths=widths,
                                         buckets=[b for b in (1, 2, 4, 8, 16, 32, 64) if b < max_num_seqs]
                                         + [max_num_seqs])
+        if not cuda_graphs and getattr(drafter, "backend", None) is not None:
+            drafter.backend.use_fixed_shapes(False)  # --eager: the draft's steps stay dynamic too
         self.prefill_chunk = prefill_chunk
         self._rng = random.Random(seed)
         self._free_slots = list(range(max_num_seqs - 1, -1, -1))  # pop() hands out the lowest slot first
