@@ -14,8 +14,9 @@ place where fixed shapes and CUDA graphs come in (:meth:`DraftBackend.use_fixed_
 :class:`~ssd_eagle.cuda_graphs.StaticForward` pads the rows to a bucket (padding rows write into the cache's last
 slot, a scratch slot no sequence uses) and the cache length to a power of two, keeps every width exactly (the
 steps' widths are fixed by the settings: 1 per chain token, topk per tree level, the fan-out budget for the
-speculator's branches), and on CUDA captures each shape once, lazily, and replays it. A shape no bucket covers
-(a ragged ``extend`` wider than any seen, more rows than the largest bucket) runs dynamically. Backends turn this
+speculator's branches; an ``extend`` or a proposal forward gets one shape per width it has, at most K + 1 plus
+the tree budget), and on CUDA captures each shape once, lazily, and replays it. More rows than the largest bucket
+run dynamically; prefill never runs through it (its shapes vary without bound). Backends turn this
 on by themselves on CUDA (``fixed_shapes=None``); ``False`` (``--eager``) keeps the dynamic path, ``True`` forces
 the fixed-shape path on any device (eager off CUDA: how the CPU tests check it).
 
