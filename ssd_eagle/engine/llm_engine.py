@@ -104,6 +104,8 @@ class LLMEngine:
                                         device=self.target.device, widths=widths,
                                         buckets=[b for b in (1, 2, 4, 8, 16, 32, 64) if b < max_num_seqs]
                                         + [max_num_seqs])
+        if not cuda_graphs and getattr(drafter, "backend", None) is not None:
+            drafter.backend.use_fixed_shapes(False)  # --eager: the draft's steps stay dynamic too
         self._rng = random.Random(seed)
         self.scheduler = Scheduler(max_num_seqs, max_num_batched_tokens, prefill_chunk, 1 + self.max_draft_tokens,
                                    self.target.kv.max_len, self.target.kv.bytes_per_position, kv_cache_memory)
@@ -310,8 +312,7 @@ class LLMEngine:
     def _round(self, seqs: list[Sequence]) -> None:
         t0 = time.perf_counter()
         budgets = [self._draft_budget(s) for s in seqs]
-        if self.planner is not None:
-            budgets = self.planner.plan(seqs, budgets)
+        budgets = self.planner.plan(seqs, budgets) if self.planner is not None else budgets
         # called even with zero budgets: stateful drafters track every round
         proposals = self._call_drafter("propose", seqs, budgets) or [Proposal([]) for _ in seqs]
         proposals = [self._within_budget(p, b) for p, b in zip(proposals, budgets)]
