@@ -175,17 +175,32 @@ async def get_model(model_id: str, request: Request) -> dict:
     return _model_card(server, server.check_model(model_id)).model_dump()
 
 
-def _check_length(prompt_ids: list[int], max_tokens: int, max_model_len: int, vocab_size: int,
-                  prompt_param: str, max_tokens_given: bool) -> None:
+def _check_length(prompt_ids: list[int], max_tokens: int | None, max_model_len: int, vocab_size: int,
+                  prompt_param: str, default_max_tokens: int | None = None) -> int:
+    """Check a prompt against the context and return the request's ``max_tokens``: the one given, or
+    ``default_max_tokens`` capped to the room the prompt leaves (vLLM's default; None: all of that room).
+
+    Raises:
+        RequestError: an empty prompt or one out of the vocabulary, a prompt that alone leaves no room for a token
+            (naming the prompt), or a given ``max_tokens`` past the room left (naming ``max_tokens``).
+    """
     if not prompt_ids:
         raise RequestError(f"{prompt_param} must not be empty", prompt_param)
     if any(not 0 <= t < vocab_size for t in prompt_ids):
         raise RequestError(f"prompt token ids must be in [0, {vocab_size})", prompt_param)
-    if len(prompt_ids) + max_tokens > max_model_len:
+    room = max_model_len - len(prompt_ids)
+    if room < 1:
+        raise RequestError(f"this model's maximum context length is {max_model_len} tokens and the {prompt_param} "
+                           f"alone takes {len(prompt_ids)}; shorten the {prompt_param}", prompt_param,
+                           "context_length_exceeded")
+    if max_tokens is None:
+        return room if default_max_tokens is None else min(default_max_tokens, room)
+    if max_tokens > room:
         raise RequestError(
             f"this model's maximum context length is {max_model_len} tokens; the request has {len(prompt_ids)} "
             f"prompt tokens and max_tokens={max_tokens}; shorten the {prompt_param} or lower max_tokens",
-            "max_tokens" if max_tokens_given else prompt_param, "context_length_exceeded")
+            "max_tokens", "context_length_exceeded")
+    return max_tokens
 
 
 async def _accept(request: Request, schema: type[CompletionRequest | ChatCompletionRequest]):
@@ -210,9 +225,9 @@ async def create_completion(request: Request):
 
     def prepare(tokenizer):
         ids = tokenizer(prompt).input_ids if isinstance(prompt, str) else list(prompt)
-        _check_length(ids, params.max_tokens, engine.max_model_len, engine.vocab_size, "prompt",
-                      req.max_tokens is not None)
-        return ids, params
+        max_tokens = _check_length(ids, req.max_tokens, engine.max_model_len, engine.vocab_size, "prompt",
+                                   COMPLETIONS_DEFAULT_MAX_TOKENS)
+        return ids, params.model_copy(update={"max_tokens": max_tokens})
 
     formatter = CompletionFormatter(server, f"cmpl-{uuid.uuid4().hex}", model, req.logprobs is not None,
                                      _include_usage(req))
@@ -237,12 +252,9 @@ async def create_chat_completion(request: Request):
         except Exception as err:  # noqa: BLE001 - template errors (e.g. raise_exception on bad roles)
             raise RequestError(f"the messages could not be rendered with the model's chat template: {err}",
                                "messages") from None
-        max_tokens = requested or engine.max_model_len - len(ids)  # chat default: the rest of the context
-        if max_tokens < 1:
-            raise RequestError(f"this model's maximum context length is {engine.max_model_len} tokens and the "
-                               f"messages already take {len(ids)}", "messages", "context_length_exceeded")
-        _check_length(ids, max_tokens, engine.max_model_len, engine.vocab_size, "messages", requested is not None)
-        return ids, params.model_copy(update={"max_tokens": max_tokens})  # >= 1: checked above
+        # chat default: the rest of the context
+        max_tokens = _check_length(ids, requested, engine.max_model_len, engine.vocab_size, "messages")
+        return ids, params.model_copy(update={"max_tokens": max_tokens})
 
     formatter = ChatFormatter(server, f"chatcmpl-{uuid.uuid4().hex}", model, req.logprobs, _include_usage(req))
     return await serve_request(request, server, "chat", formatter, prepare, req.stream, arrival)

@@ -54,6 +54,14 @@ class RequestAborted(Exception):
     """The request was aborted (its stream yields nothing more)."""
 
 
+def _engine_refusal(message: str) -> RequestError:
+    """The 400 for a ValueError of ``LLMEngine.add_request``: a request that can never fit the KV budget names
+    ``max_tokens`` (what the client can lower), other prompt checks name ``prompt``."""
+    if "kv_cache_memory" in message:
+        return RequestError(message, "max_tokens", "kv_cache_exceeded")
+    return RequestError(message, "prompt" if message.startswith("prompt") else None)
+
+
 @dataclass
 class _Add:
     request_id: str
@@ -152,6 +160,8 @@ class AsyncEngine:
         if self._thread is not None:
             raise RuntimeError("the engine loop was already started")
         self._loop = asyncio.get_running_loop()
+        if self.metrics is not None:  # before the thread: nobody else touches the engine yet
+            self.metrics.set_kv_usage(*self.engine.kv_cache_usage)
         self._thread = threading.Thread(target=self._thread_main, name="engine-loop", daemon=True)
         self._thread.start()
         self.accepting = True
@@ -307,7 +317,7 @@ class AsyncEngine:
         except RequestError as err:
             result = err
         except ValueError as err:  # the engine's own checks
-            result = RequestError(str(err), "prompt" if str(err).startswith("prompt") else None)
+            result = _engine_refusal(str(err))
         except Exception as err:  # noqa: BLE001 - reported to the caller as a 500
             log.exception("adding a request failed", extra={"fields": {"request_id": command.request_id}})
             result = err
@@ -330,6 +340,7 @@ class AsyncEngine:
         if self.metrics is not None:
             self.metrics.observe_step(engine.stats, sum(len(o.delta_token_ids) for o in outputs),
                                       bool(getattr(engine.drafter, "healthy", True)))
+            self.metrics.set_kv_usage(*engine.kv_cache_usage)
         if outputs:
             self._call(self._dispatch, outputs)
 

@@ -613,3 +613,62 @@ def test_yaml_config_and_flags(tmp_path, monkeypatch):
         path.write_text(bad)
         with pytest.raises(SystemExit):
             parse_args(["--config", str(path)])
+
+
+# ------------------------------------------------------------------------------ context limits and the KV budget
+def test_a_prompt_that_alone_fills_the_context_is_named_even_with_max_tokens(client):
+    for prompt in ([120] * 300, [120] * 256):  # longer than, and exactly, max_model_len: no room for one token
+        error = error_of(client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 5}), 400, "prompt")
+        assert error["code"] == "context_length_exceeded" and "max_tokens" not in error["message"]
+    chat = {"messages": [{"role": "user", "content": "x" * 260}], "max_tokens": 5}
+    assert error_of(client.post("/v1/chat/completions", json=chat), 400, "messages")["code"] == \
+        "context_length_exceeded"
+    # room for some tokens, but fewer than max_tokens: the client's max_tokens is at fault
+    error_of(client.post("/v1/completions", json={"prompt": [120] * 250, "max_tokens": 7}), 400, "max_tokens")
+
+
+def test_completion_default_max_tokens_is_capped_to_the_room_left(client):
+    """vLLM: without max_tokens, min(16, max_model_len - prompt tokens)."""
+    body = client.post("/v1/completions", json={"prompt": [120] * 250, "temperature": 0}).json()
+    assert body["usage"] == {"prompt_tokens": 250, "completion_tokens": 6, "total_tokens": 256}
+    assert body["choices"][0]["finish_reason"] == "length"
+    body = client.post("/v1/completions", json={"prompt": [120] * 200, "temperature": 0}).json()
+    assert body["usage"]["completion_tokens"] == 16  # room enough: OpenAI's default
+
+
+@pytest.mark.parametrize("path, raw, param", [
+    ("/v1/completions", r'{"prompt": "a\ud800b"}', "prompt"),
+    ("/v1/completions", r'{"prompt": "x", "stop": ["\udc00"]}', "stop[0]"),
+    ("/v1/chat/completions", r'{"messages": [{"role": "user", "content": "\ud83d"}]}', "messages[0].content"),
+])
+def test_a_lone_surrogate_escape_is_a_400_naming_the_string(client, path, raw, param):
+    error = error_of(client.post(path, content=raw, headers={"content-type": "application/json"}), 400, param)
+    assert error["code"] == "invalid_utf16" and "not valid UTF-16/UTF-8" in error["message"]
+
+
+def test_a_surrogate_pair_escape_is_one_character(client):
+    raw = r'{"prompt": "\ud83d\ude00", "max_tokens": 1, "temperature": 0}'
+    body = client.post("/v1/completions", content=raw, headers={"content-type": "application/json"}).json()
+    assert body["usage"]["prompt_tokens"] == len("😀".encode())
+
+
+def test_kv_budget_refuses_a_request_that_can_never_fit_and_metrics_report_usage():
+    from _server_helpers import make_model, make_tokenizer
+    from ssd_eagle.drafters.ngram import NgramDrafter
+    from ssd_eagle.engine.llm_engine import LLMEngine
+    from ssd_eagle.engine.scheduler import GIB
+
+    bytes_per_position = make_engine().target.kv.bytes_per_position
+    budget = 256 * bytes_per_position  # one slot of 256 positions: prompt + max_tokens + a round of 4 <= 256
+    engine = LLMEngine(make_model(), make_tokenizer(), drafter=NgramDrafter(), num_speculative_tokens=3,
+                       max_num_seqs=4, max_model_len=256, kv_cache_memory=(budget + 0.5) / GIB)
+    with TestClient(build_app(engine, MODEL)) as client:
+        error = error_of(client.post("/v1/completions", json={"prompt": "Hey", "max_tokens": 250}), 400,
+                         "max_tokens")
+        assert error["code"] == "kv_cache_exceeded" and "kv_cache_memory" in error["message"]
+        ok = client.post("/v1/completions", json={"prompt": "Hey", "max_tokens": 249, "temperature": 0})
+        assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 249
+        text = client.get("/metrics").text
+    assert _metric(text, "ssd_eagle_kv_cache_budget_bytes") == budget
+    used = _metric(text, "ssd_eagle_kv_cache_usage_bytes")
+    assert 0 < used <= budget and used == engine.kv_cache_usage[0]

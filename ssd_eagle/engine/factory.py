@@ -199,5 +199,8 @@ def build(config, target=None, placement=None, *, tokenizer=None, draft: nn.Modu
                        max_num_seqs=config.max_num_seqs, max_model_len=max_model_len, seed=config.seed,
                        max_draft_tokens=spec.max_draft_tokens if spec else 0,
                        cuda_graphs=placement.captures and not config.eager,
-                       compile=placement.captures and config.compile)
+                       compile=placement.captures and config.compile,
+                       max_num_batched_tokens=config.max_num_batched_tokens,
+                       enable_prefix_caching=config.enable_prefix_caching,
+                       prefix_cache_memory=config.prefix_cache_memory, kv_cache_memory=config.kv_cache_memory)
     return placement.attach(engine)
