@@ -5,10 +5,13 @@ Endpoints follow OpenAI's API (and vLLM's server where OpenAI is silent):
 - ``GET /v1/models``, ``GET /v1/models/{id}``
 - ``POST /v1/completions``, ``POST /v1/chat/completions``: ``stream`` sends server-sent events (``data: {chunk}``
   lines in OpenAI's chunk format, then ``data: [DONE]``); responses and final chunks carry ``spec_stats``.
-- ``GET /health``: 200 ``{"status": "ok"}``, 200 ``{"status": "degraded", "reason"}`` while the drafter reports
-  unhealthy (decoding goes on without speculation) or right after a failed engine step, 503 while draining or when
-  the engine loop stopped; a 200 also names the target's device and dtype and the CPU's capability
-  (:func:`ssd_eagle.platform.describe`).
+- ``GET /health`` (liveness): 200 ``{"status": "ok"}``, 200 ``{"status": "degraded", "reason"}`` while the drafter
+  reports unhealthy (decoding goes on without speculation) or right after a failed engine step, 200
+  ``{"status": "draining"}`` after a shutdown signal while in-flight requests finish, 503 ``{"status": "stopped"}``
+  once the engine loop stopped; ``ok`` and ``degraded`` also name the target's device and dtype and the CPU's
+  capability (:func:`ssd_eagle.platform.describe`).
+- ``GET /ready`` (readiness): 200 ``{"status": "ready"}`` while the model is loaded and new requests are taken,
+  else 503 ``{"status": "starting" | "draining" | "stopped"}``.
 - ``GET /metrics``: Prometheus text (see :mod:`inference.metrics`).
 
 Errors always have OpenAI's body ``{"error": {"message", "type", "param", "code"}}``: 400 for invalid requests
@@ -129,11 +132,29 @@ def build_app(engine, served_model_name: str | Sequence[str], *, api_key: str | 
 _ops_router = APIRouter()
 
 
+def _lifecycle(server: ServerState) -> str:
+    """``starting`` (the engine loop not started yet), ``ready``, ``draining`` or ``stopped``."""
+    engine = server.async_engine
+    if engine.accepting:
+        return "ready"
+    if engine.alive:
+        return "draining"
+    return "stopped" if engine.started else "starting"
+
+
+@_ops_router.get("/ready")
+async def ready(request: Request) -> JSONResponse:
+    status = _lifecycle(request.app.state.server)
+    return JSONResponse({"status": status}, status_code=200 if status == "ready" else 503)
+
+
 @_ops_router.get("/health")
 async def health(request: Request) -> JSONResponse:
     server: ServerState = request.app.state.server
-    if not server.async_engine.accepting:
-        status = "draining" if server.async_engine.alive else "stopped"
+    status = _lifecycle(server)
+    if status == "draining":  # alive: a liveness probe must not kill a server that is finishing requests
+        return JSONResponse({"status": status})
+    if status != "ready":
         return JSONResponse({"status": status}, status_code=503)
     drafter = server.engine.drafter
     platform = describe(server.engine.target.device, server.engine.target.dtype)

@@ -49,6 +49,14 @@ class EngineUnavailable(Exception):
 class EngineStepError(RuntimeError):
     """The engine raised while decoding this request (HTTP 500); other requests and the server carry on."""
 
+    code = "engine_error"
+
+
+class DrainTimeout(EngineStepError):
+    """The server shut down before this request finished (its ``--graceful-timeout`` ran out)."""
+
+    code = "shutdown_timeout"
+
 
 class RequestAborted(Exception):
     """The request was aborted (its stream yields nothing more)."""
@@ -123,7 +131,8 @@ class AsyncEngine:
         metrics: a :class:`~inference.metrics.ServerMetrics`, or None.
 
     Lifecycle: :meth:`start` (on the event loop), :meth:`begin_shutdown` (refuse new requests; safe from a signal
-    handler), ``await`` :meth:`shutdown` (finish in-flight requests, stop the thread).
+    handler), ``await`` :meth:`drain` (wait for in-flight requests, up to a timeout), ``await`` :meth:`shutdown`
+    (finish in-flight requests, stop the thread).
     """
 
     def __init__(self, engine, max_queue: int = 32, metrics=None):
@@ -148,8 +157,17 @@ class AsyncEngine:
         return self._thread is not None and self._thread.is_alive()
 
     @property
+    def started(self) -> bool:
+        return self._thread is not None
+
+    @property
     def num_queued(self) -> int:
         return len(self._queued)
+
+    @property
+    def num_in_flight(self) -> int:
+        """Requests accepted and not finished (queued or decoding)."""
+        return len(self._streams)
 
     @property
     def num_running(self) -> int:
@@ -169,6 +187,24 @@ class AsyncEngine:
     def begin_shutdown(self) -> None:
         """Refuse new requests from now on (503 ``shutting_down``); in-flight ones go on."""
         self.accepting = False
+
+    async def drain(self, timeout: float, poll: float = 0.05) -> bool:
+        """Refuse new requests and wait up to ``timeout`` s for the in-flight ones to finish; those still running
+        then end with :class:`DrainTimeout` (and are aborted in the engine). Returns True when all finished."""
+        self.begin_shutdown()
+        deadline = self._loop.time() + timeout
+        while self._streams and self._loop.time() < deadline:
+            await asyncio.sleep(poll)
+        if not self._streams:
+            return True
+        left = list(self._streams)
+        log.error("graceful timeout expired; ending the remaining requests", extra={"fields": {
+            "event": "drain_timeout", "timeout_s": timeout, "failed_requests": left}})
+        for request_id in left:
+            self._inbox.put(_Abort(request_id))
+        self._fail(left, DrainTimeout(f"the server shut down before this request finished (graceful timeout of "
+                                      f"{timeout:g} s)"))
+        return False
 
     async def shutdown(self, timeout: float | None = None) -> None:
         """Refuse new requests, let in-flight ones finish, then stop the engine thread (waits up to ``timeout``)."""

@@ -580,22 +580,63 @@ def test_draining_refuses_new_requests_and_finishes_in_flight_ones():
         instrument(engine, delay=0.02)
         app = build_app(engine, MODEL)
         async_engine = app.state.server.async_engine
+        before = await asgi_request(app, "GET", "/ready")  # no lifespan yet: the engine loop is not running
         async with lifespan(app):
+            ready = await asgi_request(app, "GET", "/ready")
             first = asyncio.create_task(asgi_request(app, "POST", "/v1/completions",
                                                      {"prompt": "Hey", "max_tokens": 40, "stream": True}))
             while async_engine.num_running == 0:
                 await asyncio.sleep(0.01)
-            async_engine.begin_shutdown()
+            drain = asyncio.create_task(async_engine.drain(timeout=60))
+            await asyncio.sleep(0)
             refused = await asgi_request(app, "POST", "/v1/completions", {"prompt": "x"})
             health = await asgi_request(app, "GET", "/health")
-            done = await first
+            not_ready = await asgi_request(app, "GET", "/ready")
+            done, drained = await first, await drain
+        stopped = await asgi_request(app, "GET", "/health")
         assert not async_engine.alive  # lifespan shutdown stopped the engine thread
-        return refused, health, done
+        return before, ready, refused, health, not_ready, done, drained, stopped
 
-    refused, health, done = asyncio.run(run())
+    before, ready, refused, health, not_ready, done, drained, stopped = asyncio.run(run())
+    assert before[0] == 503 and json.loads(b"".join(before[2])) == {"status": "starting"}
+    assert ready[0] == 200 and json.loads(b"".join(ready[2])) == {"status": "ready"}
     assert refused[0] == 503 and json.loads(b"".join(refused[2]))["error"]["code"] == "shutting_down"
-    assert health[0] == 503 and json.loads(b"".join(health[2])) == {"status": "draining"}
-    assert done[0] == 200 and b"".join(done[2]).endswith(b"data: [DONE]\n\n")
+    assert refused[1]["retry-after"] == "1"
+    assert health[0] == 200 and json.loads(b"".join(health[2])) == {"status": "draining"}  # alive (liveness)
+    assert not_ready[0] == 503 and json.loads(b"".join(not_ready[2])) == {"status": "draining"}
+    assert done[0] == 200 and b"".join(done[2]).endswith(b"data: [DONE]\n\n") and drained is True
+    events = parse_sse(b"".join(done[2]).decode())
+    assert events[-2]["choices"][0]["finish_reason"] == "length"  # finished in full
+    assert stopped[0] == 503 and json.loads(b"".join(stopped[2])) == {"status": "stopped"}
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_drain_timeout_ends_the_remaining_requests_with_an_error(stream):
+    engine = make_engine()
+    produced = instrument(engine, delay=0.05)
+
+    def total() -> int:
+        return sum(v for k, v in produced.items() if k != "max_batch")
+
+    async def run(app, async_engine):
+        async with lifespan(app):
+            first = asyncio.create_task(asgi_request(app, "POST", "/v1/completions",
+                                                     {"prompt": "Hey", "max_tokens": 200, "stream": stream}))
+            while async_engine.num_running == 0:
+                await asyncio.sleep(0.01)
+            drained = await async_engine.drain(timeout=0.1)
+            done, tokens = await first, total()
+            await asyncio.sleep(0.2)  # the engine aborted it: nothing more is produced
+        return drained, done, tokens, total(), async_engine.num_in_flight
+
+    app = build_app(engine, MODEL)
+    drained, done, tokens, later, in_flight = asyncio.run(run(app, app.state.server.async_engine))
+    assert drained is False and in_flight == 0 and 0 < tokens < 200 and later <= tokens + 4
+    if stream:
+        events = parse_sse(b"".join(done[2]).decode())
+        assert done[0] == 200 and events[-1] == "[DONE]" and events[-2]["error"]["code"] == "shutdown_timeout"
+    else:
+        assert done[0] == 500 and json.loads(b"".join(done[2]))["error"]["code"] == "shutdown_timeout"
 
 
 # ----------------------------------------------------------------------------------------------- config
