@@ -46,6 +46,7 @@ from inference.metrics import ServerMetrics
 from inference.protocol import (ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, RequestError,
                                 TokenTexts)
 from inference.responses import ChatFormatter, CompletionFormatter, serve_request
+from inference.supervisor import SpeculatorSupervisor
 
 log = logging.getLogger(__name__)
 
@@ -105,16 +106,19 @@ def build_app(engine, served_model_name: str | Sequence[str], *, api_key: str | 
         raise ValueError("served_model_name must name at least one model")
     metrics = metrics or ServerMetrics()
     async_engine = AsyncEngine(engine, max_queue=max_queue, metrics=metrics)
+    supervisor = SpeculatorSupervisor(async_engine, metrics)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         async_engine.start()
+        supervisor.start()
         log.info("engine loop started", extra={"fields": {"event": "startup", "models": names,
                                                           "mode": engine.mode_name, "max_queue": max_queue,
                                                           "max_model_len": engine.max_model_len}})
         try:
             yield
         finally:
+            await supervisor.stop()
             await async_engine.shutdown()
             log.info("engine loop stopped", extra={"fields": {"event": "shutdown"}})
 
@@ -122,6 +126,7 @@ def build_app(engine, served_model_name: str | Sequence[str], *, api_key: str | 
     longest_token = max((len(t) for t in engine.tokenizer.get_vocab()), default=1)
     app.state.server = ServerState(engine, async_engine, metrics, names, api_key, TokenTexts(engine.tokenizer),
                                    max_request_bytes, engine.max_model_len * max(longest_token, 1))
+    app.state.supervisor = supervisor
     install_error_handlers(app)
     app.include_router(_ops_router)
     app.include_router(_v1_router)
@@ -158,7 +163,7 @@ async def health(request: Request) -> JSONResponse:
         return JSONResponse({"status": status}, status_code=503)
     drafter = server.engine.drafter
     platform = describe(server.engine.target.device, server.engine.target.dtype)
-    if not getattr(drafter, "healthy", True):
+    if not (drafter.probe() if callable(getattr(drafter, "probe", None)) else getattr(drafter, "healthy", True)):
         error = getattr(drafter, "error", None)
         return JSONResponse({"status": "degraded", "reason": "the drafter reports unhealthy; decoding continues "
                                                            "without speculation" + (f" ({error})" if error else ""),

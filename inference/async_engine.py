@@ -82,6 +82,13 @@ class _Abort:
     request_id: str
 
 
+@dataclass
+class _Call:
+    fn: Callable
+    args: tuple
+    future: asyncio.Future
+
+
 _STOP = object()
 
 
@@ -249,6 +256,13 @@ class AsyncEngine:
             self._acks.pop(request_id, None)
         return stream
 
+    async def call(self, fn: Callable, *args) -> Any:
+        """Run ``fn(*args)`` on the engine thread between two steps (the engine is not thread-safe) and return
+        its result; raises what it raises."""
+        future = self._loop.create_future()
+        self._inbox.put(_Call(fn, args, future))
+        return await future
+
     def abort(self, request_id: str) -> bool:
         """Abort a request that has not finished; the engine stops decoding it at its next command check (before
         its next step). Returns False when it was unknown or already finished."""
@@ -331,6 +345,8 @@ class AsyncEngine:
                     stopping = True
                 elif isinstance(command, _Add):
                     self._add(command)
+                elif isinstance(command, _Call):
+                    self._run_call(command)
                 else:
                     self._abort(command.request_id)
             if engine.has_unfinished():
@@ -356,6 +372,13 @@ class AsyncEngine:
             result = _engine_refusal(str(err))
         except Exception as err:  # noqa: BLE001 - reported to the caller as a 500
             log.exception("adding a request failed", extra={"fields": {"request_id": command.request_id}})
+            result = err
+        self._call(self._resolve, command.future, result)
+
+    def _run_call(self, command: _Call) -> None:
+        try:
+            result = command.fn(*command.args)
+        except Exception as err:  # noqa: BLE001 - handed to the caller
             result = err
         self._call(self._resolve, command.future, result)
 

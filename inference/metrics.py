@@ -16,7 +16,8 @@ requests.
 - ``queue_depth`` (gauge): requests accepted but not yet decoding; ``running_requests`` (gauge): decoding.
 - ``kv_cache_usage_bytes`` (gauge): bytes the target's KV store and the prefix cache hold, after the latest step;
   ``kv_cache_budget_bytes`` (gauge): the ``kv_cache_memory`` budget (NaN: unbounded).
-- ``drafter_healthy`` (gauge): 1, or 0 while the drafter reports unhealthy; ``engine_step_errors_total``.
+- ``drafter_healthy`` (gauge): 1, or 0 while the drafter reports unhealthy; ``engine_step_errors_total``;
+  ``speculator_restarts_total`` and ``speculator_restart_failures_total`` (:mod:`inference.supervisor`).
 - ``time_to_first_token_seconds``, ``e2e_request_latency_seconds``, ``time_per_output_token_seconds``
   (histograms): from the request's arrival at the server.
 """
@@ -94,6 +95,10 @@ class ServerMetrics:
         self.kv_budget = Gauge(p + "kv_cache_budget_bytes", "The KV cache budget in bytes (NaN: unbounded)",
                                registry=r)
         self.kv_budget.set(math.nan)
+        self.speculator_restarts = Counter(p + "speculator_restarts", "SSD speculators replaced after a crash",
+                                           registry=r)
+        self.speculator_restart_failures = Counter(p + "speculator_restart_failures",
+                                                   "Failed attempts to replace a crashed SSD speculator", registry=r)
         self.step_errors = Counter(p + "engine_step_errors", "Engine steps that raised", registry=r)
         self.ttft = Histogram(p + "time_to_first_token_seconds", "Request arrival to first generated token",
                               buckets=_LATENCY_BUCKETS, registry=r)
