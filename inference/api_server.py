@@ -5,10 +5,13 @@ Endpoints follow OpenAI's API (and vLLM's server where OpenAI is silent):
 - ``GET /v1/models``, ``GET /v1/models/{id}``
 - ``POST /v1/completions``, ``POST /v1/chat/completions``: ``stream`` sends server-sent events (``data: {chunk}``
   lines in OpenAI's chunk format, then ``data: [DONE]``); responses and final chunks carry ``spec_stats``.
-- ``GET /health``: 200 ``{"status": "ok"}``, 200 ``{"status": "degraded", "reason"}`` while the drafter reports
-  unhealthy (decoding goes on without speculation) or right after a failed engine step, 503 while draining or when
-  the engine loop stopped; a 200 also names the target's device and dtype and the CPU's capability
-  (:func:`ssd_eagle.platform.describe`).
+- ``GET /health`` (liveness): 200 ``{"status": "ok"}``, 200 ``{"status": "degraded", "reason"}`` while the drafter
+  reports unhealthy (decoding goes on without speculation) or right after a failed engine step, 200
+  ``{"status": "draining"}`` after a shutdown signal while in-flight requests finish, 503 ``{"status": "stopped"}``
+  once the engine loop stopped; ``ok`` and ``degraded`` also name the target's device and dtype and the CPU's
+  capability (:func:`ssd_eagle.platform.describe`).
+- ``GET /ready`` (readiness): 200 ``{"status": "ready"}`` while the model is loaded and new requests are taken,
+  else 503 ``{"status": "starting" | "draining" | "stopped"}``.
 - ``GET /metrics``: Prometheus text (see :mod:`inference.metrics`).
 
 Errors always have OpenAI's body ``{"error": {"message", "type", "param", "code"}}``: 400 for invalid requests
@@ -43,6 +46,7 @@ from inference.metrics import ServerMetrics
 from inference.protocol import (ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, RequestError,
                                 TokenTexts)
 from inference.responses import ChatFormatter, CompletionFormatter, serve_request
+from inference.supervisor import SpeculatorSupervisor
 
 log = logging.getLogger(__name__)
 
@@ -102,16 +106,19 @@ def build_app(engine, served_model_name: str | Sequence[str], *, api_key: str | 
         raise ValueError("served_model_name must name at least one model")
     metrics = metrics or ServerMetrics()
     async_engine = AsyncEngine(engine, max_queue=max_queue, metrics=metrics)
+    supervisor = SpeculatorSupervisor(async_engine, metrics)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         async_engine.start()
+        supervisor.start()
         log.info("engine loop started", extra={"fields": {"event": "startup", "models": names,
                                                           "mode": engine.mode_name, "max_queue": max_queue,
                                                           "max_model_len": engine.max_model_len}})
         try:
             yield
         finally:
+            await supervisor.stop()
             await async_engine.shutdown()
             log.info("engine loop stopped", extra={"fields": {"event": "shutdown"}})
 
@@ -119,6 +126,7 @@ def build_app(engine, served_model_name: str | Sequence[str], *, api_key: str | 
     longest_token = max((len(t) for t in engine.tokenizer.get_vocab()), default=1)
     app.state.server = ServerState(engine, async_engine, metrics, names, api_key, TokenTexts(engine.tokenizer),
                                    max_request_bytes, engine.max_model_len * max(longest_token, 1))
+    app.state.supervisor = supervisor
     install_error_handlers(app)
     app.include_router(_ops_router)
     app.include_router(_v1_router)
@@ -129,15 +137,33 @@ def build_app(engine, served_model_name: str | Sequence[str], *, api_key: str | 
 _ops_router = APIRouter()
 
 
+def _lifecycle(server: ServerState) -> str:
+    """``starting`` (the engine loop not started yet), ``ready``, ``draining`` or ``stopped``."""
+    engine = server.async_engine
+    if engine.accepting:
+        return "ready"
+    if engine.alive:
+        return "draining"
+    return "stopped" if engine.started else "starting"
+
+
+@_ops_router.get("/ready")
+async def ready(request: Request) -> JSONResponse:
+    status = _lifecycle(request.app.state.server)
+    return JSONResponse({"status": status}, status_code=200 if status == "ready" else 503)
+
+
 @_ops_router.get("/health")
 async def health(request: Request) -> JSONResponse:
     server: ServerState = request.app.state.server
-    if not server.async_engine.accepting:
-        status = "draining" if server.async_engine.alive else "stopped"
+    status = _lifecycle(server)
+    if status == "draining":  # alive: a liveness probe must not kill a server that is finishing requests
+        return JSONResponse({"status": status})
+    if status != "ready":
         return JSONResponse({"status": status}, status_code=503)
     drafter = server.engine.drafter
     platform = describe(server.engine.target.device, server.engine.target.dtype)
-    if not getattr(drafter, "healthy", True):
+    if not (drafter.probe() if callable(getattr(drafter, "probe", None)) else getattr(drafter, "healthy", True)):
         error = getattr(drafter, "error", None)
         return JSONResponse({"status": "degraded", "reason": "the drafter reports unhealthy; decoding continues "
                                                            "without speculation" + (f" ({error})" if error else ""),
@@ -175,17 +201,32 @@ async def get_model(model_id: str, request: Request) -> dict:
     return _model_card(server, server.check_model(model_id)).model_dump()
 
 
-def _check_length(prompt_ids: list[int], max_tokens: int, max_model_len: int, vocab_size: int,
-                  prompt_param: str, max_tokens_given: bool) -> None:
+def _check_length(prompt_ids: list[int], max_tokens: int | None, max_model_len: int, vocab_size: int,
+                  prompt_param: str, default_max_tokens: int | None = None) -> int:
+    """Check a prompt against the context and return the request's ``max_tokens``: the one given, or
+    ``default_max_tokens`` capped to the room the prompt leaves (vLLM's default; None: all of that room).
+
+    Raises:
+        RequestError: an empty prompt or one out of the vocabulary, a prompt that alone leaves no room for a token
+            (naming the prompt), or a given ``max_tokens`` past the room left (naming ``max_tokens``).
+    """
     if not prompt_ids:
         raise RequestError(f"{prompt_param} must not be empty", prompt_param)
     if any(not 0 <= t < vocab_size for t in prompt_ids):
         raise RequestError(f"prompt token ids must be in [0, {vocab_size})", prompt_param)
-    if len(prompt_ids) + max_tokens > max_model_len:
+    room = max_model_len - len(prompt_ids)
+    if room < 1:
+        raise RequestError(f"this model's maximum context length is {max_model_len} tokens and the {prompt_param} "
+                           f"alone takes {len(prompt_ids)}; shorten the {prompt_param}", prompt_param,
+                           "context_length_exceeded")
+    if max_tokens is None:
+        return room if default_max_tokens is None else min(default_max_tokens, room)
+    if max_tokens > room:
         raise RequestError(
             f"this model's maximum context length is {max_model_len} tokens; the request has {len(prompt_ids)} "
             f"prompt tokens and max_tokens={max_tokens}; shorten the {prompt_param} or lower max_tokens",
-            "max_tokens" if max_tokens_given else prompt_param, "context_length_exceeded")
+            "max_tokens", "context_length_exceeded")
+    return max_tokens
 
 
 async def _accept(request: Request, schema: type[CompletionRequest | ChatCompletionRequest]):
@@ -210,9 +251,9 @@ async def create_completion(request: Request):
 
     def prepare(tokenizer):
         ids = tokenizer(prompt).input_ids if isinstance(prompt, str) else list(prompt)
-        _check_length(ids, params.max_tokens, engine.max_model_len, engine.vocab_size, "prompt",
-                      req.max_tokens is not None)
-        return ids, params
+        max_tokens = _check_length(ids, req.max_tokens, engine.max_model_len, engine.vocab_size, "prompt",
+                                   COMPLETIONS_DEFAULT_MAX_TOKENS)
+        return ids, params.model_copy(update={"max_tokens": max_tokens})
 
     formatter = CompletionFormatter(server, f"cmpl-{uuid.uuid4().hex}", model, req.logprobs is not None,
                                      _include_usage(req))
@@ -237,12 +278,9 @@ async def create_chat_completion(request: Request):
         except Exception as err:  # noqa: BLE001 - template errors (e.g. raise_exception on bad roles)
             raise RequestError(f"the messages could not be rendered with the model's chat template: {err}",
                                "messages") from None
-        max_tokens = requested or engine.max_model_len - len(ids)  # chat default: the rest of the context
-        if max_tokens < 1:
-            raise RequestError(f"this model's maximum context length is {engine.max_model_len} tokens and the "
-                               f"messages already take {len(ids)}", "messages", "context_length_exceeded")
-        _check_length(ids, max_tokens, engine.max_model_len, engine.vocab_size, "messages", requested is not None)
-        return ids, params.model_copy(update={"max_tokens": max_tokens})  # >= 1: checked above
+        # chat default: the rest of the context
+        max_tokens = _check_length(ids, requested, engine.max_model_len, engine.vocab_size, "messages")
+        return ids, params.model_copy(update={"max_tokens": max_tokens})
 
     formatter = ChatFormatter(server, f"chatcmpl-{uuid.uuid4().hex}", model, req.logprobs, _include_usage(req))
     return await serve_request(request, server, "chat", formatter, prepare, req.stream, arrival)

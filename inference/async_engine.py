@@ -49,9 +49,25 @@ class EngineUnavailable(Exception):
 class EngineStepError(RuntimeError):
     """The engine raised while decoding this request (HTTP 500); other requests and the server carry on."""
 
+    code = "engine_error"
+
+
+class DrainTimeout(EngineStepError):
+    """The server shut down before this request finished (its ``--graceful-timeout`` ran out)."""
+
+    code = "shutdown_timeout"
+
 
 class RequestAborted(Exception):
     """The request was aborted (its stream yields nothing more)."""
+
+
+def _engine_refusal(message: str) -> RequestError:
+    """The 400 for a ValueError of ``LLMEngine.add_request``: a request that can never fit the KV budget names
+    ``max_tokens`` (what the client can lower), other prompt checks name ``prompt``."""
+    if "kv_cache_memory" in message:
+        return RequestError(message, "max_tokens", "kv_cache_exceeded")
+    return RequestError(message, "prompt" if message.startswith("prompt") else None)
 
 
 @dataclass
@@ -64,6 +80,13 @@ class _Add:
 @dataclass
 class _Abort:
     request_id: str
+
+
+@dataclass
+class _Call:
+    fn: Callable
+    args: tuple
+    future: asyncio.Future
 
 
 _STOP = object()
@@ -115,7 +138,8 @@ class AsyncEngine:
         metrics: a :class:`~inference.metrics.ServerMetrics`, or None.
 
     Lifecycle: :meth:`start` (on the event loop), :meth:`begin_shutdown` (refuse new requests; safe from a signal
-    handler), ``await`` :meth:`shutdown` (finish in-flight requests, stop the thread).
+    handler), ``await`` :meth:`drain` (wait for in-flight requests, up to a timeout), ``await`` :meth:`shutdown`
+    (finish in-flight requests, stop the thread).
     """
 
     def __init__(self, engine, max_queue: int = 32, metrics=None):
@@ -140,8 +164,17 @@ class AsyncEngine:
         return self._thread is not None and self._thread.is_alive()
 
     @property
+    def started(self) -> bool:
+        return self._thread is not None
+
+    @property
     def num_queued(self) -> int:
         return len(self._queued)
+
+    @property
+    def num_in_flight(self) -> int:
+        """Requests accepted and not finished (queued or decoding)."""
+        return len(self._streams)
 
     @property
     def num_running(self) -> int:
@@ -152,6 +185,8 @@ class AsyncEngine:
         if self._thread is not None:
             raise RuntimeError("the engine loop was already started")
         self._loop = asyncio.get_running_loop()
+        if self.metrics is not None:  # before the thread: nobody else touches the engine yet
+            self.metrics.set_kv_usage(*self.engine.kv_cache_usage)
         self._thread = threading.Thread(target=self._thread_main, name="engine-loop", daemon=True)
         self._thread.start()
         self.accepting = True
@@ -159,6 +194,24 @@ class AsyncEngine:
     def begin_shutdown(self) -> None:
         """Refuse new requests from now on (503 ``shutting_down``); in-flight ones go on."""
         self.accepting = False
+
+    async def drain(self, timeout: float, poll: float = 0.05) -> bool:
+        """Refuse new requests and wait up to ``timeout`` s for the in-flight ones to finish; those still running
+        then end with :class:`DrainTimeout` (and are aborted in the engine). Returns True when all finished."""
+        self.begin_shutdown()
+        deadline = self._loop.time() + timeout
+        while self._streams and self._loop.time() < deadline:
+            await asyncio.sleep(poll)
+        if not self._streams:
+            return True
+        left = list(self._streams)
+        log.error("graceful timeout expired; ending the remaining requests", extra={"fields": {
+            "event": "drain_timeout", "timeout_s": timeout, "failed_requests": left}})
+        for request_id in left:
+            self._inbox.put(_Abort(request_id))
+        self._fail(left, DrainTimeout(f"the server shut down before this request finished (graceful timeout of "
+                                      f"{timeout:g} s)"))
+        return False
 
     async def shutdown(self, timeout: float | None = None) -> None:
         """Refuse new requests, let in-flight ones finish, then stop the engine thread (waits up to ``timeout``)."""
@@ -202,6 +255,13 @@ class AsyncEngine:
         finally:
             self._acks.pop(request_id, None)
         return stream
+
+    async def call(self, fn: Callable, *args) -> Any:
+        """Run ``fn(*args)`` on the engine thread between two steps (the engine is not thread-safe) and return
+        its result; raises what it raises."""
+        future = self._loop.create_future()
+        self._inbox.put(_Call(fn, args, future))
+        return await future
 
     def abort(self, request_id: str) -> bool:
         """Abort a request that has not finished; the engine stops decoding it at its next command check (before
@@ -285,6 +345,8 @@ class AsyncEngine:
                     stopping = True
                 elif isinstance(command, _Add):
                     self._add(command)
+                elif isinstance(command, _Call):
+                    self._run_call(command)
                 else:
                     self._abort(command.request_id)
             if engine.has_unfinished():
@@ -307,9 +369,16 @@ class AsyncEngine:
         except RequestError as err:
             result = err
         except ValueError as err:  # the engine's own checks
-            result = RequestError(str(err), "prompt" if str(err).startswith("prompt") else None)
+            result = _engine_refusal(str(err))
         except Exception as err:  # noqa: BLE001 - reported to the caller as a 500
             log.exception("adding a request failed", extra={"fields": {"request_id": command.request_id}})
+            result = err
+        self._call(self._resolve, command.future, result)
+
+    def _run_call(self, command: _Call) -> None:
+        try:
+            result = command.fn(*command.args)
+        except Exception as err:  # noqa: BLE001 - handed to the caller
             result = err
         self._call(self._resolve, command.future, result)
 
@@ -330,6 +399,7 @@ class AsyncEngine:
         if self.metrics is not None:
             self.metrics.observe_step(engine.stats, sum(len(o.delta_token_ids) for o in outputs),
                                       bool(getattr(engine.drafter, "healthy", True)))
+            self.metrics.set_kv_usage(*engine.kv_cache_usage)
         if outputs:
             self._call(self._dispatch, outputs)
 

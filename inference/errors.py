@@ -8,6 +8,7 @@ for the statuses). Pydantic validation errors become one 400 naming the first of
 from __future__ import annotations
 
 import hmac
+import json
 import logging
 import re
 
@@ -137,7 +138,29 @@ async def parse_body(request: Request, schema: type[BaseModel]) -> BaseModel:
     try:
         return schema.model_validate_json(text)
     except ValidationError as err:
-        raise _validation_error(err.errors(include_url=False)) from None
+        errors = err.errors(include_url=False)
+        if errors[0]["type"] == "json_invalid":
+            _check_surrogates(text)
+        raise _validation_error(errors) from None
+
+
+def _check_surrogates(text: str) -> None:
+    """Raise APIError 400 naming the string when ``text`` is valid JSON apart from a lone UTF-16 surrogate escape
+    (``"\\ud800"``: Python's reader accepts it, pydantic's and UTF-8 cannot)."""
+    try:
+        data = json.loads(text)
+    except ValueError:
+        return
+    stack = [("", data)]
+    while stack:
+        param, value = stack.pop()
+        if isinstance(value, dict):
+            stack.extend((f"{param}.{k}" if param else k, v) for k, v in value.items())
+        elif isinstance(value, list):
+            stack.extend((f"{param}[{i}]", v) for i, v in enumerate(value))
+        elif isinstance(value, str) and any(0xD800 <= ord(c) <= 0xDFFF for c in value):
+            raise APIError(400, f"the string of '{param}' is not valid UTF-16/UTF-8: it holds a lone surrogate "
+                           f"escape (\\ud800-\\udfff without its pair)", param=param or None, code="invalid_utf16")
 
 
 async def require_api_key(request: Request) -> None:

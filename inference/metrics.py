@@ -14,7 +14,10 @@ requests.
 - ``spec_tau``, ``spec_acceptance_rate``, ``spec_cache_hit_rate`` (gauges): since start (hit rate NaN when the
   drafter does no cache lookups).
 - ``queue_depth`` (gauge): requests accepted but not yet decoding; ``running_requests`` (gauge): decoding.
-- ``drafter_healthy`` (gauge): 1, or 0 while the drafter reports unhealthy; ``engine_step_errors_total``.
+- ``kv_cache_usage_bytes`` (gauge): bytes the target's KV store and the prefix cache hold, after the latest step;
+  ``kv_cache_budget_bytes`` (gauge): the ``kv_cache_memory`` budget (NaN: unbounded).
+- ``drafter_healthy`` (gauge): 1, or 0 while the drafter reports unhealthy; ``engine_step_errors_total``;
+  ``speculator_restarts_total`` and ``speculator_restart_failures_total`` (:mod:`inference.supervisor`).
 - ``time_to_first_token_seconds``, ``e2e_request_latency_seconds``, ``time_per_output_token_seconds``
   (histograms): from the request's arrival at the server.
 """
@@ -87,6 +90,15 @@ class ServerMetrics:
         self.running = Gauge(p + "running_requests", "Requests being decoded", registry=r)
         self.drafter_healthy = Gauge(p + "drafter_healthy", "1 while the drafter is healthy, else 0", registry=r)
         self.drafter_healthy.set(1)
+        self.kv_usage = Gauge(p + "kv_cache_usage_bytes", "Bytes held by the target's KV store and the prefix cache",
+                              registry=r)
+        self.kv_budget = Gauge(p + "kv_cache_budget_bytes", "The KV cache budget in bytes (NaN: unbounded)",
+                               registry=r)
+        self.kv_budget.set(math.nan)
+        self.speculator_restarts = Counter(p + "speculator_restarts", "SSD speculators replaced after a crash",
+                                           registry=r)
+        self.speculator_restart_failures = Counter(p + "speculator_restart_failures",
+                                                   "Failed attempts to replace a crashed SSD speculator", registry=r)
         self.step_errors = Counter(p + "engine_step_errors", "Engine steps that raised", registry=r)
         self.ttft = Histogram(p + "time_to_first_token_seconds", "Request arrival to first generated token",
                               buckets=_LATENCY_BUCKETS, registry=r)
@@ -129,6 +141,10 @@ class ServerMetrics:
             self.e2e_latency.observe(latency)
             if ttft is not None and completion_tokens > 1:
                 self.tpot.observe((latency - ttft) / (completion_tokens - 1))
+
+    def set_kv_usage(self, used: int, budget: int | None) -> None:
+        self.kv_usage.set(used)
+        self.kv_budget.set(math.nan if budget is None else budget)
 
     def set_queue(self, queued: int, running: int) -> None:
         self.queue_depth.set(queued)

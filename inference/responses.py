@@ -110,7 +110,7 @@ async def _collect_unless_disconnected(request: Request, server: ServerState, rs
         final = work.result()
     except EngineStepError as err:
         tracker.done("error", 500)
-        raise APIError(500, str(err), "server_error", code="engine_error") from None
+        raise APIError(500, str(err), "server_error", code=err.code) from None
     tracker.stats = server.spec_stats(final)
     tracker.done(final.finish_reason, 200)
     return final
@@ -139,7 +139,7 @@ async def _event_stream(server: ServerState, rs: RequestStream, formatter, track
                 yield _sse(formatter.usage_chunk(final))
         except EngineStepError as err:
             outcome, status = "error", 500
-            yield _sse(APIError(500, str(err), "server_error", code="engine_error").body())
+            yield _sse(APIError(500, str(err), "server_error", code=err.code).body())
         yield _sse("[DONE]")
     finally:
         if outcome == "aborted":

@@ -1,12 +1,15 @@
 """Serve a model over an OpenAI-compatible HTTP API (``/v1/completions``, ``/v1/chat/completions``, ``/v1/models``,
-``/health``, ``/metrics``) with speculative decoding.
+``/health``, ``/ready``, ``/metrics``) with speculative decoding.
 
     python -m inference.serve                                   # SmolLM2-135M-Instruct on 127.0.0.1:8000
     python -m inference.serve --config configs/serve.yaml       # flags from YAML; command-line flags win
     python -m inference.serve --mode ar --port 8001 --api-key "$KEY" --served-model-name smol
 
-Engine flags are those of ``inference.generate``. Logs are JSON lines on stderr. SIGTERM (or Ctrl-C) drains:
-new requests get 503, in-flight ones finish (up to ``--graceful-timeout`` s), then the process exits.
+Engine flags are those of ``inference.generate``. Logs are JSON lines on stderr. The port is bound before the
+model loads (a port in use fails at once, exit code 2). SIGTERM (or Ctrl-C) drains: the socket stays open, new
+requests get 503 with ``Retry-After``, ``/health`` says ``draining`` and ``/ready`` 503, in-flight requests finish
+(up to ``--graceful-timeout`` s), then the engine and its speculator are closed and the process exits 0; when the
+timeout runs out, the remaining requests end with an error and the exit code is 1. A second signal exits at once.
 """
 
 from __future__ import annotations
@@ -15,8 +18,10 @@ import argparse
 import datetime
 import ipaddress
 import json
+import asyncio
 import logging
 import os
+import socket
 import sys
 from typing import Literal
 
@@ -109,6 +114,53 @@ def _is_loopback(host: str) -> bool:
         return host == "localhost"
 
 
+def bind_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to ``(host, port)`` (uvicorn listens on it). Raises OSError (e.g. the port is in use)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn: TIME_WAIT leftovers do not block
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+def _draining_server(config, async_engine, graceful_timeout: float):
+    import uvicorn
+
+    class DrainingServer(uvicorn.Server):
+        """uvicorn with a drain before its shutdown: from the first SIGTERM/SIGINT new requests get 503 while
+        in-flight ones have ``graceful_timeout`` s (the socket stays open); then uvicorn closes the socket and the
+        app's lifespan stops the engine loop. A second signal exits at once. ``drained``: all requests finished."""
+
+        def __init__(self):
+            super().__init__(config)
+            self.signalled, self.drained, self._drain = False, False, None
+
+        def handle_exit(self, sig, frame) -> None:  # not uvicorn's: it re-raises the signal (exit code 143)
+            if self.signalled:
+                self.should_exit = self.force_exit = True
+                return
+            self.signalled = True
+            async_engine.begin_shutdown()
+            log.info("shutdown signal received; draining", extra={"fields": {
+                "event": "draining", "signal": sig, "in_flight": async_engine.num_in_flight,
+                "graceful_timeout_s": graceful_timeout}})
+
+        async def on_tick(self, counter: int) -> bool:
+            if self.signalled and self._drain is None:
+                self._drain = asyncio.ensure_future(self._drain_then_exit())
+            return await super().on_tick(counter)
+
+        async def _drain_then_exit(self) -> None:
+            self.drained = await async_engine.drain(graceful_timeout)
+            self.should_exit = True
+
+    return DrainingServer()
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     configure_logging(args.log_level)
@@ -119,9 +171,16 @@ def main(argv: list[str] | None = None) -> int:
     from inference.api_server import build_app
 
     try:
+        sock = bind_socket(args.host, args.port)
+    except OSError as err:
+        log.error(f"cannot listen on {args.host}:{args.port}: {err.strerror}", extra={"fields": {
+            "event": "bind_failed", "host": args.host, "port": args.port, "error": str(err)}})
+        return 2
+    try:
         config = engine_config_from_args(args)
         engine = build_engine(config)
     except (ValueError, FileNotFoundError) as err:
+        sock.close()
         log.error("could not build the engine", extra={"fields": {"event": "startup_failed", "error": str(err)}})
         return 2
     if not _is_loopback(args.host) and not args.api_key:
@@ -129,29 +188,23 @@ def main(argv: list[str] | None = None) -> int:
                     extra={"fields": {"event": "no_api_key", "host": args.host}})
     app = build_app(engine, args.served_model_name or [args.model], api_key=args.api_key,
                     max_queue=args.max_queue, max_request_bytes=args.max_request_bytes)
-    async_engine = app.state.server.async_engine
-
-    class DrainingServer(uvicorn.Server):
-        """uvicorn, but new requests get 503 from the moment a shutdown signal arrives."""
-
-        def handle_exit(self, sig, frame) -> None:
-            async_engine.begin_shutdown()
-            log.info("shutdown signal received; draining", extra={"fields": {"event": "draining", "signal": sig}})
-            super().handle_exit(sig, frame)
-
-    server = DrainingServer(uvicorn.Config(app, host=args.host, port=args.port, log_config=None, access_log=False,
-                                           timeout_graceful_shutdown=args.graceful_timeout, lifespan="on"))
+    # the drain is ours: uvicorn's grace period only lets the finished responses flush
+    server = _draining_server(uvicorn.Config(app, log_config=None, access_log=False, lifespan="on",
+                                             timeout_graceful_shutdown=5), app.state.server.async_engine,
+                              args.graceful_timeout)
     log.info("serving", extra={"fields": {"event": "serving", "host": args.host, "port": args.port,
                                           "model": args.model, "mode": engine.mode_name,
                                           "max_model_len": engine.max_model_len, "max_num_seqs": engine.max_num_seqs,
                                           "auth": bool(args.api_key),
                                           **describe(engine.target.device, engine.target.dtype)}})
     try:
-        server.run()
+        server.run(sockets=[sock])
     finally:  # the engine thread has stopped: releasing the drafter (e.g. SSD's speculator process) is safe now
-        if engine.drafter is not None:
-            engine.drafter.close()
-    return 0 if server.started else 1
+        engine.close()
+        sock.close()
+    clean = server.started and (server.drained or not server.signalled) and not server.force_exit
+    log.info("exited", extra={"fields": {"event": "exited", "clean": clean}})
+    return 0 if clean else 1
 
 
 if __name__ == "__main__":

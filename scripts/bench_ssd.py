@@ -39,6 +39,7 @@ from ssd_eagle.config import EngineConfig, SpeculativeConfig
 from ssd_eagle.engine.factory import make_drafter
 from ssd_eagle.engine.llm import render_chat
 from ssd_eagle.engine.llm_engine import LLMEngine
+from ssd_eagle.planner import planner_for
 from ssd_eagle.exactness import TopTwoRecorder, argmax_consistent, first_divergence, judge
 from ssd_eagle.kv_cache import ForwardBatch
 from ssd_eagle.model_runner import RunnerOutput
@@ -59,6 +60,7 @@ class Config:
     cores: int = 1  # cores of the target (SD on both cores uses 2)
     hf: str | None = None  # "assisted" or "lookup"
     fixed_width: bool = False  # shape-invariant: every target forward padded to K + 1 tokens (FixedWidthEngine)
+    plan: bool = False  # the planner's choice (ssd_eagle.planner): K in 0..K from measured costs and acceptance
 
 
 class FixedWidthEngine(LLMEngine):
@@ -112,6 +114,10 @@ def configs(args) -> dict[str, Config]:
         Config("sd_eagle3_tree", "sd", {**e3, **tree}),
         Config("ssd_eagle3", "ssd", {**e3, **geometric}),
         Config("ssd_eagle3_tree", "ssd", {**e3, **tree, "fanout_budget": B}),
+        # the planner's choice of K (up to K, or no speculation) for the same drafters
+        Config("sd_ngram_plan", "sd", {"method": "ngram"}, plan=True),
+        Config("sd_eagle3_plan", "sd", {"method": "eagle3", "model": head}, plan=True),
+        Config("sd_lm_plan", "sd", {"method": "draft_model", "model": lm}, plan=True),
         Config("hf_assisted", "hf", hf="assisted"),
         Config("hf_lookup", "hf", hf="lookup"),
         # the shape-invariant experiment: judged bitwise against ar_fixed
@@ -259,7 +265,11 @@ def main() -> None:
                     kind, width = (FixedWidthEngine, {"width": args.k + 1}) if cfg.fixed_width else (LLMEngine, {})
                     engine = kind(model, tokenizer, drafter, num_speculative_tokens=K, max_num_seqs=1,
                                   max_model_len=4096, max_draft_tokens=spec.max_draft_tokens if spec else 0, **width)
+                    if cfg.plan:
+                        engine.planner = planner_for(engine, spec)
                     runs.append(run_engine(engine, prompts, params, record_top2=cfg.mode == "ar" and temp == 0))
+                    if cfg.plan:
+                        runs[-1]["planner"] = engine.planner.summary()
             runs.sort(key=lambda r: r["tps"])
             r = dict(runs[len(runs) // 2], tps_min=runs[0]["tps"], tps_max=runs[-1]["tps"])
             rows.append({"config": name, "temperature": temp, **r})

@@ -47,6 +47,10 @@ class SpeculativeConfig(ConfigModel):
                            "target's tokenizer) or eagle3 (an EAGLE-3 head fed the target's aux hidden states)")
     model: str | None = Field(None, description="path or id of the draft (draft_model, eagle3)")
     num_speculative_tokens: int = Field(5, ge=1, description="K, draft tokens per round")
+    adaptive: bool = Field(True, description="SD chains: a planner measures the target's verify cost per width and the "
+                           "running requests' acceptance, and drafts the K that maximises tokens/s, or nothing when "
+                           "drafts do not pay (an explicit K fixes the length; the planner still decides whether to "
+                           "speculate). false: always draft K")
     # a 1-token match is right too rarely to pay for verifying 5 tokens
     prompt_lookup_min: int = Field(2, ge=1, description="shortest n-gram suffix matched (ngram)")
     prompt_lookup_max: int = Field(4, ge=1, description="longest n-gram suffix matched (ngram)")
@@ -185,6 +189,15 @@ class EngineConfig(ConfigModel):
     eager: bool = Field(False, description="on GPU: never capture CUDA graphs (CPU always runs eagerly)")
     compile: bool = Field(False, description="torch.compile the target's decoder body (faster steps; about a "
                           "minute of compilation per input shape)")
+    max_num_batched_tokens: int = Field(512, ge=1, description="tokens one engine step forwards: the running "
+                                        "requests' rounds first, then prompt chunks (vLLM's chunked prefill)")
+    enable_prefix_caching: bool = Field(True, description="reuse the cached keys/values of prompt prefixes shared "
+                                        "with earlier requests (system prompt, earlier turns)")
+    prefix_cache_memory: float = Field(0.25, gt=0.0, allow_inf_nan=False, description="GiB the prefix cache may "
+                                       "hold (least recently used blocks are evicted beyond it)")
+    kv_cache_memory: float | None = Field(None, gt=0.0, allow_inf_nan=False, description="GiB budget of the "
+                                          "target's KV store plus the prefix cache; requests wait for room, one "
+                                          "that can never fit is refused (None: unbounded)")
 
     @model_validator(mode="after")
     def _default_drafter(self) -> EngineConfig:
@@ -241,7 +254,8 @@ ENGINE_FLAGS = (
          "(with the default config's model for it, if any)"),
     *(Flag(SpeculativeConfig, name, default=None, help=f"override speculative_config.{name}")
       for name in _SPEC_OVERRIDES),
-    *flags_for(EngineConfig, ["max_model_len", "max_num_seqs", "seed", "num_threads"]),
+    *flags_for(EngineConfig, ["max_model_len", "max_num_seqs", "seed", "num_threads", "max_num_batched_tokens",
+                              "enable_prefix_caching", "prefix_cache_memory", "kv_cache_memory"]),
 )
 """The engine flags shared by every entry point (later features add flags, never rename them)."""
 

@@ -32,20 +32,26 @@ class StaticForward:
         kv: the cache ``fn`` writes; it is grown to its full ``max_len`` at once (addresses must not move).
         scratch_slot: a cache slot no sequence uses, for padding rows.
         buckets: batch sizes captured; a larger batch runs dynamically.
-        widths: tokens per row captured.
+        widths: tokens per row captured (a row is padded to the next width); None: every width exactly as it
+            comes, never padded (the drafts' steps, whose widths are fixed by their settings: 1 for a chain, topk
+            for a tree level, the fan-out budget for the speculator's branches).
         extra_shapes: name -> (trailing shape, dtype) of extra per-token inputs (e.g. EAGLE-3 features
             ``(H,)``); they are padded like the tokens.
         enabled: capture CUDA graphs (only on CUDA devices).
+        copy_outputs: return copies of the graph's output buffers (callers that keep outputs across calls,
+            such as the drafts' trees, need them: the next replay overwrites the buffers).
     """
 
     def __init__(self, fn: Callable[..., dict[str, torch.Tensor]], kv: KVCache, scratch_slot: int,
                  dtype: torch.dtype, device: torch.device | str, buckets=DEFAULT_BUCKETS, widths=(1,),
-                 extra_shapes: dict[str, tuple[tuple[int, ...], torch.dtype]] | None = None, enabled: bool = True):
+                 extra_shapes: dict[str, tuple[tuple[int, ...], torch.dtype]] | None = None, enabled: bool = True,
+                 copy_outputs: bool = False):
         self.fn, self.kv, self.scratch = fn, kv, scratch_slot
         self.dtype, self.device = dtype, torch.device(device)
-        self.buckets, self.widths = tuple(sorted(buckets)), tuple(sorted(widths))
+        self.buckets, self.widths = tuple(sorted(buckets)), None if widths is None else tuple(sorted(widths))
         self.extra_shapes = extra_shapes or {}
         self.use_graphs = enabled and self.device.type == "cuda"
+        self.copy_outputs = copy_outputs and self.use_graphs
         kv.reserve(kv.max_len)
         lengths, L = [], 128
         while L < kv.max_len:
@@ -58,7 +64,7 @@ class StaticForward:
     def shape_for(self, batch_size: int, width: int, kv_len: int) -> tuple[int, int, int] | None:
         """The (bucket, width, cache length) serving this batch, or None when it is not covered."""
         b = next((x for x in self.buckets if x >= batch_size), None)
-        w = next((x for x in self.widths if x >= width), None)
+        w = width if self.widths is None else next((x for x in self.widths if x >= width), None)
         L = next((x for x in self.kv_lengths if x >= kv_len + width), None)
         return None if b is None or w is None or L is None else (b, w, L)
 
@@ -76,7 +82,8 @@ class StaticForward:
             graph.replay()
         else:
             outputs = self._run(static)
-        return {name: t[:B, :n] if t.dim() >= 2 else t[:B] for name, t in outputs.items()}
+        sliced = {name: t[:B, :n] if t.dim() >= 2 else t[:B] for name, t in outputs.items()}
+        return {name: t.clone() for name, t in sliced.items()} if self.copy_outputs else sliced
 
     def _static_inputs(self, shape: tuple[int, int, int]) -> dict[str, torch.Tensor]:
         if shape not in self._buffers:

@@ -116,10 +116,11 @@ def measure_verify_costs(runner, max_new: int, max_batch: int = 1, context: int 
         verify[b] = row
     table = CostTable(verify, key)
     if cache:
+        from ssd_eagle.io import atomic_write
+
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".tmp{os.getpid()}")
-        tmp.write_text(table.to_json())
-        os.replace(tmp, path)
+        with atomic_write(path) as tmp:
+            tmp.write_text(table.to_json())
     return table
 
 
@@ -281,6 +282,19 @@ class Planner:
         if predicted > 0 and math.isfinite(verify_seconds):
             self.verify_scale = 0.9 * self.verify_scale + 0.1 * (verify_seconds / predicted)
 
+    def plan(self, seqs: list, budgets: list[int]) -> list[int]:
+        """The engine's hook before drafting: each sequence's draft budget cut to the planned length."""
+        ks = self.choose([s.request_id for s in seqs])
+        return [min(b, ks[s.request_id]) for s, b in zip(seqs, budgets)]
+
+    def observe_round(self, seqs: list, proposals: list, paths: list[list[int]], draft_seconds: float,
+                      verify_seconds: float) -> None:
+        """The engine's hook after verifying: learn from the chain rows of the round (trees are not planned)."""
+        drafted = {s.request_id: (len(p.tokens), len(path)) for s, p, path in zip(seqs, proposals, paths)
+                   if p.parents is None}
+        width = 1 + max((len(p.tokens) for p in proposals), default=0)
+        self.observe(drafted, draft_seconds, verify_seconds, width)
+
     def forget(self, request_id: str) -> None:
         self.acceptance.pop(request_id, None)
         self.idle_rounds.pop(request_id, None)
@@ -289,3 +303,17 @@ class Planner:
         """JSON-ready planner state: rounds per chosen K and the engine-wide acceptance per position."""
         return {"k_decisions": dict(sorted(self.decisions.items())),
                 "acceptance_per_position": [round(a, 4) for a in self.engine_wide.rates(self.config.max_k)]}
+
+
+def planner_for(engine, spec) -> Planner | None:
+    """The planner of an engine built from a speculative config: SD chains on a single-device target whose
+    ``adaptive`` is on; K is the planner's to choose unless ``num_speculative_tokens`` was given explicitly.
+    Measures (or reads back) the verify cost table, so call it before any request is admitted."""
+    from ssd_eagle.model_runner import ModelRunner
+
+    if not spec.adaptive or spec.tree_budget or getattr(engine.drafter, "mode", "sd") != "sd" \
+            or not isinstance(engine.target, ModelRunner):
+        return None
+    k = spec.num_speculative_tokens
+    costs = measure_verify_costs(engine.target, k + 1, engine.max_num_seqs)
+    return Planner(PlannerConfig(max_k=k, choose_k="num_speculative_tokens" not in spec.model_fields_set), costs)

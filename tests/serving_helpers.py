@@ -14,7 +14,7 @@ from ssd_eagle.drafters import DraftModelDrafter, NgramDrafter
 from ssd_eagle.drafters.base import Drafter, Proposal
 from ssd_eagle.drafters.eagle3 import Eagle3Drafter
 from ssd_eagle.engine.llm_engine import LLMEngine
-from ssd_eagle.ssd import build_ssd_drafter
+from ssd_eagle.engine.factory import build
 
 K = 4
 KINDS = ["ar", "ngram", "draft", "eagle3", "ssd"]
@@ -31,7 +31,8 @@ def build_engine(kind: str, target, tokenizer, max_num_seqs: int = 2, **engine_a
                                  speculator="local")
         cfg = EngineConfig(model="in-memory", mode="ssd", max_num_seqs=max_num_seqs, max_model_len=512,
                            speculative_config=spec)
-        drafter = build_ssd_drafter(cfg, target, draft=noisy_copy(target, 0.02))
+        # the factory's SSD drafter (an in-process speculator), in an engine with this helper's arguments
+        drafter = build(cfg, target, tokenizer=tokenizer, draft=noisy_copy(target, 0.02)).drafter
     else:
         drafter = {"ar": lambda: None, "ngram": lambda: NgramDrafter(1, 3),
                    "draft": lambda: DraftModelDrafter(noisy_copy(target, 0.05), target.config.vocab_size,

@@ -46,6 +46,9 @@ REPO = Path(__file__).resolve().parents[1]
     (lambda: EngineConfig(mode="xx"), "mode"),
     (lambda: EngineConfig(dtype="float8"), "dtype"),
     (lambda: EngineConfig(max_num_seqs=0), "max_num_seqs"),
+    (lambda: EngineConfig(max_num_batched_tokens=0), "max_num_batched_tokens"),
+    (lambda: EngineConfig(kv_cache_memory=0), "kv_cache_memory"),
+    (lambda: EngineConfig(prefix_cache_memory=math.inf), "prefix_cache_memory"),
     (lambda: EngineConfig(no_such_key=1), "no_such_key"),
     (lambda: EngineConfig(speculative_config={"method": "ngram", "k": 3}), "speculative_config.k"),
     (lambda: TrainConfig(lr=0.0), "lr"),
@@ -103,6 +106,28 @@ def test_engine_and_sampling_flags():
     for bad in (["--max-num-seqs", "0"], ["--temperature", "inf"], ["--eager", "maybe"], ["--mode", "xx"]):
         with pytest.raises(SystemExit):
             _generate_args(bad)
+
+
+def test_scheduler_and_memory_flags_reach_the_engine(monkeypatch):
+    """vLLM's flag names; the factory passes them to LLMEngine."""
+    from ssd_eagle.engine import factory
+
+    args = _generate_args(["--max-num-batched-tokens", "64", "--no-enable-prefix-caching",
+                           "--prefix-cache-memory", "0.5", "--kv-cache-memory", "2", "--mode", "ar"])
+    config = engine_config_from_args(args)
+    assert (config.max_num_batched_tokens, config.enable_prefix_caching, config.prefix_cache_memory,
+            config.kv_cache_memory) == (64, False, 0.5, 2.0)
+    defaults = engine_config_from_args(_generate_args(["--mode", "ar"]))
+    assert (defaults.max_num_batched_tokens, defaults.enable_prefix_caching, defaults.kv_cache_memory) == \
+        (512, True, None)
+    seen = {}
+    monkeypatch.setattr(factory, "LLMEngine", lambda *a, **kw: seen.update(kw))
+    model = type("Target", (), {"config": type("C", (), {"get_text_config": lambda self: self,
+                                                         "max_position_embeddings": 128})()})()
+    factory.build(config, target=model, tokenizer=object())
+    assert {k: seen[k] for k in ("max_num_batched_tokens", "enable_prefix_caching", "prefix_cache_memory",
+                                 "kv_cache_memory")} == {"max_num_batched_tokens": 64, "enable_prefix_caching": False,
+                                                         "prefix_cache_memory": 0.5, "kv_cache_memory": 2.0}
 
 
 def test_serve_yaml_types_are_strict(tmp_path, monkeypatch):

@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from helpers import make_tiny_llama
+from helpers import make_tiny_llama, random_prompts, reference_greedy
+from ssd_eagle.drafters import NgramDrafter
+from ssd_eagle.engine.llm import LLM
+from ssd_eagle.engine.llm_engine import LLMEngine
+from ssd_eagle.sampling_params import SamplingParams
 from ssd_eagle.planner import (Acceptance, CostTable, OnlineLine, Planner, PlannerConfig, expected_tokens,
                                measure_verify_costs)
 
@@ -110,3 +114,71 @@ def test_measure_verify_costs_on_a_tiny_model_is_cached(tmp_path, monkeypatch):
     files = list((tmp_path / "ssd_eagle" / "costs").glob("*.json"))
     assert len(files) == 1 and table.key in files[0].name
     assert measure_verify_costs(runner, max_new=3, max_batch=2, context=16) == table  # read back, not re-timed
+
+
+class WrongDrafter:
+    """Cheap proposals the target never emits next (its greedy tokens plus one), until ``good`` is set: then the
+    target's own greedy continuation (an oracle, precomputed per request)."""
+
+    needs_aux_hidden, name, healthy, error = False, "wrong", True, None
+
+    def __init__(self, target):
+        self.target, self.good, self.greedy = target, False, {}
+
+    def add_sequence(self, seq, aux):
+        prompt = seq.token_ids[: seq.num_prompt_tokens]
+        self.greedy[seq.request_id] = (len(prompt), reference_greedy(self.target, prompt, 80))
+
+    def propose(self, seqs, num_tokens):
+        from ssd_eagle.drafters.base import Proposal
+
+        out = []
+        for seq, n in zip(seqs, num_tokens):
+            start, greedy = self.greedy[seq.request_id]
+            tokens = greedy[len(seq.token_ids) - start: len(seq.token_ids) - start + n]
+            out.append(Proposal(tokens if self.good else [(t + 1) % 256 for t in tokens]))
+        return out
+
+    def on_verified(self, seq, k, aux):
+        pass
+
+    def remove_sequence(self, seq):
+        pass
+
+    def close(self):
+        pass
+
+
+def test_engine_with_planner_stops_drafting_a_useless_drafter_probes_and_comes_back(byte_tokenizer, tmp_path,
+                                                                                    monkeypatch):
+    """Greedy output stays the target's while the planner turns a useless drafter off; probes bring back a good
+    one. Costs: a flat verification (drafting pays as soon as anything is accepted)."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    target = make_tiny_llama(seed=3)
+    drafter = WrongDrafter(target)
+    engine = LLMEngine(target, byte_tokenizer, drafter, num_speculative_tokens=4, max_num_seqs=1, max_model_len=512)
+    engine.planner = Planner(PlannerConfig(max_k=4, probe_every=4), CostTable({1: [1.0, 1.3, 1.6, 1.9, 2.2]}))
+    llm = LLM(engine=engine)
+    prompt = random_prompts(3, seed=5)[2]
+    out = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=60))[0]
+    assert out.token_ids == reference_greedy(target, prompt, 60)
+    assert engine.planner.decisions.get(0, 0) >= 30  # mostly plain decoding
+    drafter.good = True
+    out = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=60))[0]
+    assert out.token_ids == reference_greedy(target, prompt, 60)
+    assert out.stats.num_accepted >= 30  # the probes found the drafter good again
+
+
+def test_planner_for_measures_costs_for_sd_chains_only(byte_tokenizer, tmp_path, monkeypatch):
+    from ssd_eagle.config import SpeculativeConfig
+    from ssd_eagle.planner import planner_for
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    target = make_tiny_llama(seed=3)
+    engine = LLMEngine(target, byte_tokenizer, NgramDrafter(1, 3), num_speculative_tokens=3, max_num_seqs=2,
+                       max_model_len=256)
+    planner = planner_for(engine, SpeculativeConfig(method="ngram"))
+    assert planner.config.choose_k and planner.config.max_k == 5 and sorted(planner.costs.verify) == [1, 2]
+    assert not planner_for(engine, SpeculativeConfig(method="ngram", num_speculative_tokens=3)).config.choose_k
+    assert planner_for(engine, SpeculativeConfig(method="ngram", adaptive=False)) is None
+    assert planner_for(engine, SpeculativeConfig(method="draft_model", model="d", tree_budget=8)) is None

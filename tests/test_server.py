@@ -580,22 +580,63 @@ def test_draining_refuses_new_requests_and_finishes_in_flight_ones():
         instrument(engine, delay=0.02)
         app = build_app(engine, MODEL)
         async_engine = app.state.server.async_engine
+        before = await asgi_request(app, "GET", "/ready")  # no lifespan yet: the engine loop is not running
         async with lifespan(app):
+            ready = await asgi_request(app, "GET", "/ready")
             first = asyncio.create_task(asgi_request(app, "POST", "/v1/completions",
                                                      {"prompt": "Hey", "max_tokens": 40, "stream": True}))
             while async_engine.num_running == 0:
                 await asyncio.sleep(0.01)
-            async_engine.begin_shutdown()
+            drain = asyncio.create_task(async_engine.drain(timeout=60))
+            await asyncio.sleep(0)
             refused = await asgi_request(app, "POST", "/v1/completions", {"prompt": "x"})
             health = await asgi_request(app, "GET", "/health")
-            done = await first
+            not_ready = await asgi_request(app, "GET", "/ready")
+            done, drained = await first, await drain
+        stopped = await asgi_request(app, "GET", "/health")
         assert not async_engine.alive  # lifespan shutdown stopped the engine thread
-        return refused, health, done
+        return before, ready, refused, health, not_ready, done, drained, stopped
 
-    refused, health, done = asyncio.run(run())
+    before, ready, refused, health, not_ready, done, drained, stopped = asyncio.run(run())
+    assert before[0] == 503 and json.loads(b"".join(before[2])) == {"status": "starting"}
+    assert ready[0] == 200 and json.loads(b"".join(ready[2])) == {"status": "ready"}
     assert refused[0] == 503 and json.loads(b"".join(refused[2]))["error"]["code"] == "shutting_down"
-    assert health[0] == 503 and json.loads(b"".join(health[2])) == {"status": "draining"}
-    assert done[0] == 200 and b"".join(done[2]).endswith(b"data: [DONE]\n\n")
+    assert refused[1]["retry-after"] == "1"
+    assert health[0] == 200 and json.loads(b"".join(health[2])) == {"status": "draining"}  # alive (liveness)
+    assert not_ready[0] == 503 and json.loads(b"".join(not_ready[2])) == {"status": "draining"}
+    assert done[0] == 200 and b"".join(done[2]).endswith(b"data: [DONE]\n\n") and drained is True
+    events = parse_sse(b"".join(done[2]).decode())
+    assert events[-2]["choices"][0]["finish_reason"] == "length"  # finished in full
+    assert stopped[0] == 503 and json.loads(b"".join(stopped[2])) == {"status": "stopped"}
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_drain_timeout_ends_the_remaining_requests_with_an_error(stream):
+    engine = make_engine()
+    produced = instrument(engine, delay=0.05)
+
+    def total() -> int:
+        return sum(v for k, v in produced.items() if k != "max_batch")
+
+    async def run(app, async_engine):
+        async with lifespan(app):
+            first = asyncio.create_task(asgi_request(app, "POST", "/v1/completions",
+                                                     {"prompt": "Hey", "max_tokens": 200, "stream": stream}))
+            while async_engine.num_running == 0:
+                await asyncio.sleep(0.01)
+            drained = await async_engine.drain(timeout=0.1)
+            done, tokens = await first, total()
+            await asyncio.sleep(0.2)  # the engine aborted it: nothing more is produced
+        return drained, done, tokens, total(), async_engine.num_in_flight
+
+    app = build_app(engine, MODEL)
+    drained, done, tokens, later, in_flight = asyncio.run(run(app, app.state.server.async_engine))
+    assert drained is False and in_flight == 0 and 0 < tokens < 200 and later <= tokens + 4
+    if stream:
+        events = parse_sse(b"".join(done[2]).decode())
+        assert done[0] == 200 and events[-1] == "[DONE]" and events[-2]["error"]["code"] == "shutdown_timeout"
+    else:
+        assert done[0] == 500 and json.loads(b"".join(done[2]))["error"]["code"] == "shutdown_timeout"
 
 
 # ----------------------------------------------------------------------------------------------- config
@@ -613,3 +654,62 @@ def test_yaml_config_and_flags(tmp_path, monkeypatch):
         path.write_text(bad)
         with pytest.raises(SystemExit):
             parse_args(["--config", str(path)])
+
+
+# ------------------------------------------------------------------------------ context limits and the KV budget
+def test_a_prompt_that_alone_fills_the_context_is_named_even_with_max_tokens(client):
+    for prompt in ([120] * 300, [120] * 256):  # longer than, and exactly, max_model_len: no room for one token
+        error = error_of(client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 5}), 400, "prompt")
+        assert error["code"] == "context_length_exceeded" and "max_tokens" not in error["message"]
+    chat = {"messages": [{"role": "user", "content": "x" * 260}], "max_tokens": 5}
+    assert error_of(client.post("/v1/chat/completions", json=chat), 400, "messages")["code"] == \
+        "context_length_exceeded"
+    # room for some tokens, but fewer than max_tokens: the client's max_tokens is at fault
+    error_of(client.post("/v1/completions", json={"prompt": [120] * 250, "max_tokens": 7}), 400, "max_tokens")
+
+
+def test_completion_default_max_tokens_is_capped_to_the_room_left(client):
+    """vLLM: without max_tokens, min(16, max_model_len - prompt tokens)."""
+    body = client.post("/v1/completions", json={"prompt": [120] * 250, "temperature": 0}).json()
+    assert body["usage"] == {"prompt_tokens": 250, "completion_tokens": 6, "total_tokens": 256}
+    assert body["choices"][0]["finish_reason"] == "length"
+    body = client.post("/v1/completions", json={"prompt": [120] * 200, "temperature": 0}).json()
+    assert body["usage"]["completion_tokens"] == 16  # room enough: OpenAI's default
+
+
+@pytest.mark.parametrize("path, raw, param", [
+    ("/v1/completions", r'{"prompt": "a\ud800b"}', "prompt"),
+    ("/v1/completions", r'{"prompt": "x", "stop": ["\udc00"]}', "stop[0]"),
+    ("/v1/chat/completions", r'{"messages": [{"role": "user", "content": "\ud83d"}]}', "messages[0].content"),
+])
+def test_a_lone_surrogate_escape_is_a_400_naming_the_string(client, path, raw, param):
+    error = error_of(client.post(path, content=raw, headers={"content-type": "application/json"}), 400, param)
+    assert error["code"] == "invalid_utf16" and "not valid UTF-16/UTF-8" in error["message"]
+
+
+def test_a_surrogate_pair_escape_is_one_character(client):
+    raw = r'{"prompt": "\ud83d\ude00", "max_tokens": 1, "temperature": 0}'
+    body = client.post("/v1/completions", content=raw, headers={"content-type": "application/json"}).json()
+    assert body["usage"]["prompt_tokens"] == len("😀".encode())
+
+
+def test_kv_budget_refuses_a_request_that_can_never_fit_and_metrics_report_usage():
+    from _server_helpers import make_model, make_tokenizer
+    from ssd_eagle.drafters.ngram import NgramDrafter
+    from ssd_eagle.engine.llm_engine import LLMEngine
+    from ssd_eagle.engine.scheduler import GIB
+
+    bytes_per_position = make_engine().target.kv.bytes_per_position
+    budget = 256 * bytes_per_position  # one slot of 256 positions: prompt + max_tokens + a round of 4 <= 256
+    engine = LLMEngine(make_model(), make_tokenizer(), drafter=NgramDrafter(), num_speculative_tokens=3,
+                       max_num_seqs=4, max_model_len=256, kv_cache_memory=(budget + 0.5) / GIB)
+    with TestClient(build_app(engine, MODEL)) as client:
+        error = error_of(client.post("/v1/completions", json={"prompt": "Hey", "max_tokens": 250}), 400,
+                         "max_tokens")
+        assert error["code"] == "kv_cache_exceeded" and "kv_cache_memory" in error["message"]
+        ok = client.post("/v1/completions", json={"prompt": "Hey", "max_tokens": 249, "temperature": 0})
+        assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 249
+        text = client.get("/metrics").text
+    assert _metric(text, "ssd_eagle_kv_cache_budget_bytes") == budget
+    used = _metric(text, "ssd_eagle_kv_cache_usage_bytes")
+    assert 0 < used <= budget and used == engine.kv_cache_usage[0]

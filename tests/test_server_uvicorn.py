@@ -185,24 +185,56 @@ def test_json_logs(server, client):
 def test_sigterm_drains(model_dir, tmp_path):
     srv = Server(model_dir, tmp_path / "drain.log")
     try:
+        assert httpx.get(srv.url + "/ready", timeout=5).json() == {"status": "ready"}
         body = {"model": str(model_dir), "prompt": "Hey", "max_tokens": 3000, "temperature": 0, "stream": True}
         with httpx.stream("POST", srv.url + "/v1/completions", json=body, timeout=60) as response:
             lines = response.iter_lines()
             assert next(lines).startswith("data: ")
             srv.proc.send_signal(signal.SIGTERM)
-            time.sleep(0.05)
-            try:  # new requests are refused: 503 while draining, or no connection once the socket closed
-                late = httpx.post(srv.url + "/v1/completions", json={"prompt": "x"}, timeout=5).status_code
-            except httpx.TransportError:
-                late = None
-            assert late in (503, None)
+            time.sleep(0.3)  # the socket stays open while draining: new requests get 503 with Retry-After
+            late = httpx.post(srv.url + "/v1/completions", json={"prompt": "x"}, timeout=5)
+            assert late.status_code == 503 and late.headers["retry-after"] == "1"
+            assert late.json()["error"]["code"] == "shutting_down"
+            assert httpx.get(srv.url + "/health", timeout=5).json() == {"status": "draining"}
+            assert httpx.get(srv.url + "/ready", timeout=5).status_code == 503
             events = [line[len("data: "):] for line in lines if line.startswith("data: ")]
         assert events[-1] == "[DONE]"
         final = json.loads(events[-2])
         assert final["choices"][0]["finish_reason"] == "length"  # the in-flight request finished in full
-        # uvicorn re-raises the signal once it has shut down cleanly, so the exit is "terminated by SIGTERM"
-        assert srv.proc.wait(timeout=30) in (0, -signal.SIGTERM)
+        assert srv.proc.wait(timeout=30) == 0
         events = [e.get("event") for e in srv.logs()]
-        assert "draining" in events and "shutdown" in events  # drained, then the engine loop stopped
+        assert "draining" in events and "shutdown" in events and "drain_timeout" not in events
+        assert not any("Traceback" in line for line in srv.log_path.read_text().splitlines())
     finally:
         srv.stop()
+
+
+def test_sigterm_past_the_graceful_timeout_ends_requests_with_an_error_and_exit_code_1(model_dir, tmp_path):
+    srv = Server(model_dir, tmp_path / "timeout.log", "--graceful-timeout", "0")
+    try:
+        body = {"model": str(model_dir), "prompt": "Hey", "max_tokens": 3000, "temperature": 0, "stream": True}
+        with httpx.stream("POST", srv.url + "/v1/completions", json=body, timeout=60) as response:
+            lines = response.iter_lines()
+            assert next(lines).startswith("data: ")
+            srv.proc.send_signal(signal.SIGTERM)
+            events = [line[len("data: "):] for line in lines if line.startswith("data: ")]
+        assert events[-1] == "[DONE]" and json.loads(events[-2])["error"]["code"] == "shutdown_timeout"
+        assert srv.proc.wait(timeout=30) == 1
+        assert "drain_timeout" in [e.get("event") for e in srv.logs()]
+    finally:
+        srv.stop()
+
+
+def test_a_port_in_use_fails_before_the_model_loads(tmp_path):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        # a model that does not exist: had it been loaded first, the error would be about the model
+        result = subprocess.run([sys.executable, "-m", "inference.serve", "--model", str(tmp_path / "missing"),
+                                 "--port", str(port), "--mode", "ar"], cwd=REPO, capture_output=True, text=True,
+                                timeout=120)
+    assert result.returncode == 2
+    logs = [json.loads(line) for line in result.stderr.splitlines() if line.startswith("{")]
+    assert [e["event"] for e in logs if e.get("event")] == ["bind_failed"]
+    assert str(port) in logs[-1]["message"] and "in use" in logs[-1]["message"]

@@ -1,6 +1,6 @@
 """Training data for EAGLE-3 draft heads: assistant loss masks and the (sharded) training dataset.
 
-Pipeline (``NOTES.md`` sections 4 and 8):
+Pipeline (``docs/design.md`` sections 4 and 8):
 
 1. :func:`~train.conversations.load_conversations` reads local JSON/JSONL files (or a hub dataset already in the
    local cache) and normalises them to OpenAI-style ``messages`` lists.

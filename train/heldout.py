@@ -1,6 +1,6 @@
 """The held-out evaluation split: the guard that keeps it out of training, and the tools that evaluate on it.
 
-Held out from all training and used for every evaluation (``NOTES.md`` section 8): both turns of all 80 MT-Bench
+Held out from all training and used for every evaluation (``docs/design.md`` section 8): both turns of all 80 MT-Bench
 questions and the HumanEval problems whose number is divisible by 4 (:mod:`ssd_eagle.prompts`). Two checks:
 
 - :func:`find_heldout` / :func:`assert_no_heldout`: a training message contains a held-out prompt verbatim (after

@@ -9,8 +9,16 @@ three operations, all of them stateless about sequences (the callers keep the bo
 - ``step(slots, tokens, positions, write, visible, features)``: one forward over B rows of n tokens with explicit
   positions and visibility (tree levels, the speculator's branches).
 
-Both run through ``forward(batch, features)``, the only place a draft model is called while drafting (the place
-to run fixed shapes or a CUDA graph: :class:`~ssd_eagle.cuda_graphs.StaticForward` wraps exactly this signature).
+Both run through ``forward(batch, features)``, the only place a draft model is called while drafting, and the
+place where fixed shapes and CUDA graphs come in (:meth:`DraftBackend.use_fixed_shapes`): a
+:class:`~ssd_eagle.cuda_graphs.StaticForward` pads the rows to a bucket (padding rows write into the cache's last
+slot, a scratch slot no sequence uses) and the cache length to a power of two, keeps every width exactly (the
+steps' widths are fixed by the settings: 1 per chain token, topk per tree level, the fan-out budget for the
+speculator's branches; an ``extend`` or a proposal forward gets one shape per width it has, at most K + 1 plus
+the tree budget), and on CUDA captures each shape once, lazily, and replays it. More rows than the largest bucket
+run dynamically; prefill never runs through it (its shapes vary without bound). Backends turn this
+on by themselves on CUDA (``fixed_shapes=None``); ``False`` (``--eager``) keeps the dynamic path, ``True`` forces
+the fixed-shape path on any device (eager off CUDA: how the CPU tests check it).
 
 Position convention. Token position t is the t-th token of a sequence (0-based). A causal draft LM stores token t
 at cache position t (``offset = 0``). An EAGLE-3 head stores the pair ``(f_{t-1}, x_t)`` at cache position
@@ -33,10 +41,12 @@ from typing import Callable
 
 import torch
 
+from ssd_eagle.cuda_graphs import StaticForward
 from ssd_eagle.kv_cache import ForwardBatch, KVCache
 from ssd_eagle.model_runner import ModelRunner
 
 DraftOut = tuple[torch.Tensor, "torch.Tensor | None"]  # (logits, outputs); see the module docstring
+DRAFT_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)  # rows: sequences (chains) or branches (the speculator's trees)
 
 
 class DraftBackend(ABC):
@@ -46,8 +56,9 @@ class DraftBackend(ABC):
         offset: cache position = token position - offset.
         needs_aux: the draft takes target features (EAGLE-3); hidden_size: their width H (None otherwise).
         aux_layer_ids: the target layers whose aux states the draft needs (None without features).
-        dtype, device, kv: the draft's dtype, device and cache.
+        dtype, device, kv: the draft's dtype, device and cache (its last slot is the scratch slot).
         forwards: calls of :meth:`forward` so far (``extend`` and ``step`` run through it; prefill does not).
+        static: the fixed-shape runner of :meth:`use_fixed_shapes`, or None (dynamic shapes).
     """
 
     offset = 0
@@ -58,6 +69,7 @@ class DraftBackend(ABC):
     device: torch.device
     kv: KVCache
     forwards = 0
+    static: StaticForward | None = None
 
     @abstractmethod
     def prefill(self, slot: int, token_ids: list[int], aux: torch.Tensor | None) -> torch.Tensor | None:
@@ -68,10 +80,42 @@ class DraftBackend(ABC):
             ValueError: an EAGLE-3 draft without ``aux``."""
 
     @abstractmethod
+    def run(self, batch: ForwardBatch, features: torch.Tensor | None,
+            logits_index: torch.Tensor | None = None) -> DraftOut:
+        """The draft model on ``batch`` in its own shapes (what :meth:`forward` runs dynamically)."""
+
     def forward(self, batch: ForwardBatch, features: torch.Tensor | None,
                 logits_index: torch.Tensor | None = None) -> DraftOut:
         """Run ``batch``; logits at ``logits_index`` (int64 [B, m], None = every position) and the outputs at every
-        position."""
+        position. In fixed shapes when :attr:`static` covers the batch, else dynamically."""
+        self.forwards += 1
+        out = None
+        if self.static is not None:
+            out = self.static(batch, **({"features": features} if self.needs_aux else {}))
+        if out is None:
+            return self.run(batch, features, logits_index)
+        logits = out["logits"]
+        if logits_index is not None:
+            logits = logits.gather(1, logits_index[..., None].expand(-1, -1, logits.shape[-1]))
+        return logits, out.get("outputs")
+
+    def use_fixed_shapes(self, enabled: bool | None = None, buckets: tuple[int, ...] = DRAFT_BUCKETS) -> None:
+        """Run the draft's forwards in fixed shapes (module docstring): ``True`` on any device (CUDA graphs on
+        CUDA), ``None`` only on CUDA, ``False`` never."""
+        if enabled is None:
+            enabled = self.device.type == "cuda"
+        if not enabled:
+            self.static = None
+            return
+        extra = {"features": ((self.hidden_size,), self.dtype)} if self.needs_aux else None
+
+        def fn(batch: ForwardBatch, **features: torch.Tensor) -> dict[str, torch.Tensor]:
+            logits, outputs = self.run(batch, features.get("features"))
+            return {"logits": logits} if outputs is None else {"logits": logits, "outputs": outputs}
+
+        self.static = StaticForward(fn, self.kv, scratch_slot=self.kv.num_slots - 1, dtype=self.dtype,
+                                    device=self.device, buckets=buckets, widths=None, extra_shapes=extra,
+                                    copy_outputs=True)
 
     def fuse(self, aux: torch.Tensor) -> torch.Tensor:
         """Target aux states [m, 3 * H_target] -> draft features [m, H] (EAGLE-3 only)."""
@@ -126,13 +170,15 @@ class DraftBackend(ABC):
 
 
 class DraftLMBackend(DraftBackend):
-    """A transformers causal LM with the target's vocabulary (classic SD's draft model)."""
+    """A transformers causal LM with the target's vocabulary (classic SD's draft model); ``num_slots`` sequence
+    slots (plus the scratch slot), ``fixed_shapes`` as in :meth:`DraftBackend.use_fixed_shapes`."""
 
-    def __init__(self, model, num_slots: int, max_len: int):
-        self.runner = ModelRunner(model, num_slots, max_len)
+    def __init__(self, model, num_slots: int, max_len: int, fixed_shapes: bool | None = None):
+        self.runner = ModelRunner(model, num_slots + 1, max_len)
         self.kv = self.runner.kv
         self.dtype, self.device = self.runner.dtype, self.runner.device
         self.vocab_size = model.get_output_embeddings().weight.shape[0]
+        self.use_fixed_shapes(fixed_shapes)
 
     def prefill(self, slot: int, token_ids: list[int], aux=None) -> None:
         if len(token_ids) > 1:
@@ -140,26 +186,29 @@ class DraftLMBackend(DraftBackend):
             self.runner.forward(batch, compute_logits=False)
         return None
 
-    def forward(self, batch: ForwardBatch, features=None, logits_index=None) -> DraftOut:
-        self.forwards += 1
+    def run(self, batch: ForwardBatch, features=None, logits_index=None) -> DraftOut:
         return self.runner.forward(batch, logits_index=logits_index).logits, None
 
 
 class Eagle3Backend(DraftBackend):
-    """An EAGLE-3 head (:class:`~ssd_eagle.models.eagle3.Eagle3DraftModel`) with the target's embeddings."""
+    """An EAGLE-3 head (:class:`~ssd_eagle.models.eagle3.Eagle3DraftModel`) with the target's embeddings;
+    ``num_slots`` sequence slots (plus the scratch slot), ``fixed_shapes`` as in
+    :meth:`DraftBackend.use_fixed_shapes`."""
 
     offset = 1
     needs_aux = True
 
-    def __init__(self, head, num_slots: int, max_len: int):
+    def __init__(self, head, num_slots: int, max_len: int, fixed_shapes: bool | None = None):
         self.head = head.eval()
         cfg = head.config
         param = head.lm_head.weight
         self.dtype, self.device = param.dtype, param.device
-        self.kv = KVCache(1, num_slots, cfg.num_key_value_heads, cfg.head_dim, max_len, self.dtype, self.device)
+        self.kv = KVCache(1, num_slots + 1, cfg.num_key_value_heads, cfg.head_dim, max_len, self.dtype,
+                          self.device)
         self.hidden_size = cfg.hidden_size
         self.aux_layer_ids = tuple(cfg.aux_layer_ids)
         self.vocab_size = cfg.vocab_size
+        self.use_fixed_shapes(fixed_shapes)
 
     @torch.inference_mode()
     def fuse(self, aux: torch.Tensor) -> torch.Tensor:
@@ -178,8 +227,7 @@ class Eagle3Backend(DraftBackend):
         return fused[n - 1:]
 
     @torch.inference_mode()
-    def forward(self, batch: ForwardBatch, features: torch.Tensor, logits_index=None) -> DraftOut:
-        self.forwards += 1
+    def run(self, batch: ForwardBatch, features: torch.Tensor, logits_index=None) -> DraftOut:
         out = self.head(batch.input_ids, features, batch.position_ids, batch.attn_mask, self.kv.bind(batch))
         selected = out if logits_index is None else out.gather(
             1, logits_index[..., None].expand(-1, -1, out.shape[-1]))

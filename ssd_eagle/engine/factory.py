@@ -163,7 +163,14 @@ def make_drafter(config, target, max_model_len: int, placement=None, draft: nn.M
             eagle3_aux_layer_ids(spec.model, target.config)
     settings = speculator_settings(config, target.config, next(target.parameters()).dtype, max_model_len)
     speculator = placement.speculator(config, settings, target, draft)
-    return SSDDrafter(speculator, needs_aux=aux_ids is not None, aux_layer_ids=aux_ids, draft_name=spec.method)
+    respawn = None  # a crashed speculator process can be replaced (inference/supervisor.py)
+    if isinstance(placement, SpeculatorProcess):
+        from ssd_eagle.ssd.client import RemoteSpeculator
+
+        def respawn():  # the settings the first one left: its cores and backend; this process stays pinned
+            return RemoteSpeculator(settings, draft, timeout=spec.speculator_timeout, verifier_device=config.device)
+    return SSDDrafter(speculator, needs_aux=aux_ids is not None, aux_layer_ids=aux_ids, draft_name=spec.method,
+                      respawn=respawn)
 
 
 def build(config, target=None, placement=None, *, tokenizer=None, draft: nn.Module | None = None) -> LLMEngine:
@@ -199,5 +206,12 @@ def build(config, target=None, placement=None, *, tokenizer=None, draft: nn.Modu
                        max_num_seqs=config.max_num_seqs, max_model_len=max_model_len, seed=config.seed,
                        max_draft_tokens=spec.max_draft_tokens if spec else 0,
                        cuda_graphs=placement.captures and not config.eager,
-                       compile=placement.captures and config.compile)
+                       compile=placement.captures and config.compile,
+                       max_num_batched_tokens=config.max_num_batched_tokens,
+                       enable_prefix_caching=config.enable_prefix_caching,
+                       prefix_cache_memory=config.prefix_cache_memory, kv_cache_memory=config.kv_cache_memory)
+    if spec is not None:
+        from ssd_eagle.planner import planner_for
+
+        engine.planner = planner_for(engine, spec)
     return placement.attach(engine)

@@ -104,12 +104,15 @@ class LLMEngine:
                                         device=self.target.device, widths=widths,
                                         buckets=[b for b in (1, 2, 4, 8, 16, 32, 64) if b < max_num_seqs]
                                         + [max_num_seqs])
+        if not cuda_graphs and getattr(drafter, "backend", None) is not None:
+            drafter.backend.use_fixed_shapes(False)  # --eager: the draft's steps stay dynamic too
         self._rng = random.Random(seed)
         self.scheduler = Scheduler(max_num_seqs, max_num_batched_tokens, prefill_chunk, 1 + self.max_draft_tokens,
                                    self.target.kv.max_len, self.target.kv.bytes_per_position, kv_cache_memory)
         self.prefix_cache = PrefixCache(int(prefix_cache_memory * GIB)) if enable_prefix_caching else None
         self.requests: dict[str, Sequence] = {}
         self.stats = SpecStats()  # aggregate over all rounds (times counted once per batched round)
+        self.planner = None  # a ssd_eagle.planner.Planner choosing each round's K (set by the engine factory)
 
     # public API
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None) -> None:
@@ -229,6 +232,8 @@ class LLMEngine:
                 self._cache_prefix(seq)
             self._call_drafter("remove_sequence", seq)
         self.scheduler.remove(seq)
+        if self.planner is not None:
+            self.planner.forget(seq.request_id)
         seq.prompt_aux = []
         self.requests.pop(seq.request_id, None)
 
@@ -307,6 +312,7 @@ class LLMEngine:
     def _round(self, seqs: list[Sequence]) -> None:
         t0 = time.perf_counter()
         budgets = [self._draft_budget(s) for s in seqs]
+        budgets = self.planner.plan(seqs, budgets) if self.planner is not None else budgets
         # called even with zero budgets: stateful drafters track every round
         proposals = self._call_drafter("propose", seqs, budgets) or [Proposal([]) for _ in seqs]
         proposals = [self._within_budget(p, b) for p, b in zip(proposals, budgets)]
@@ -324,6 +330,8 @@ class LLMEngine:
         t2 = time.perf_counter()
         self.stats.draft_time += t1 - t0
         self.stats.verify_time += t2 - t1
+        if self.planner is not None:
+            self.planner.observe_round(seqs, proposals, paths, t1 - t0, t2 - t1)
         for row, (seq, p) in enumerate(zip(seqs, proposals)):
             path = paths[row]
             k = len(path)

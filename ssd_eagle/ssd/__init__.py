@@ -28,4 +28,5 @@ def speculator_settings(config, target_config, dtype: torch.dtype, max_model_len
         num_slots=config.max_num_seqs, max_len=max_model_len + spec.kv_slack("speculator"),
         device=config.draft_device, threads=config.draft_threads, float_dtype=dtype,
         vocab_size=target_config.get_text_config().vocab_size, tree_budget=spec.tree_budget,
-        tree_depth=spec.tree_depth, tree_topk=spec.tree_topk, fanout_power=spec.fanout_power)
+        tree_depth=spec.tree_depth, tree_topk=spec.tree_topk, fanout_power=spec.fanout_power,
+        cuda_graphs=not config.eager)

@@ -65,6 +65,11 @@ class SpeculatorLink:
         self.channel, self.vocab_size, self.timeout = channel, vocab_size, timeout
         self.closed = False
 
+    @property
+    def alive(self) -> bool:
+        """Whether the speculator can still answer (checked without a message: safe from any thread)."""
+        return not self.closed
+
     def _check_alive(self) -> None:
         if self.closed:
             raise t.SpeculatorUnavailable("the speculator was shut down")
@@ -136,6 +141,10 @@ class RemoteSpeculator(SpeculatorLink):
         device = "cpu" if settings.dist_backend == "gloo" else verifier_device
         super().__init__(t.Channel(group, t.SPECULATOR, settings.float_dtype, device), settings.vocab_size, timeout)
 
+    @property
+    def alive(self) -> bool:
+        return not self.closed and self.process.exitcode is None
+
     def _check_alive(self) -> None:
         if self.closed or not self.process.is_alive():
             raise t.SpeculatorUnavailable("the speculator process is not running")
@@ -162,14 +171,16 @@ class SSDDrafter(Drafter):
             :class:`~ssd_eagle.parallel.speculator.JoinedSpeculator`).
         needs_aux: whether the draft is an EAGLE-3 head (the engine then captures aux states).
         aux_layer_ids: the head's aux layer ids.
+        respawn: builds a fresh speculator of the same kind (for :meth:`adopt` after a crash), or None.
     """
 
     name = "ssd"
     mode = "ssd"
 
     def __init__(self, speculator, needs_aux: bool = False, aux_layer_ids: tuple[int, ...] | None = None,
-                 draft_name: str = "draft"):
+                 draft_name: str = "draft", respawn=None):
         self.speculator = speculator
+        self.respawn = respawn
         self.needs_aux_hidden = needs_aux
         self.aux_layer_ids = aux_layer_ids
         self.name = draft_name
@@ -182,6 +193,21 @@ class SSDDrafter(Drafter):
         if self.healthy:
             log.error("speculator unavailable, continuing with ordinary decoding: %s", err)
         self.healthy, self.error = False, str(err)
+
+    def probe(self) -> bool:
+        """Mark the drafter unhealthy when its speculator is gone (no message sent: safe from any thread, at any
+        time). Returns ``healthy``."""
+        if self.healthy and not getattr(self.speculator, "alive", True):
+            self._fail(t.SpeculatorUnavailable("the speculator process is not running"))
+        return self.healthy
+
+    def adopt(self, speculator) -> None:
+        """Replace a failed speculator by a fresh one (call from the engine's thread, between steps): requests
+        already running go on without speculation (the new speculator never saw them), new ones use it."""
+        old, self.speculator = self.speculator, speculator
+        self._registered, self._outcome = set(), {}
+        self.healthy, self.error = True, None
+        old.close()
 
     def add_sequence(self, seq, prompt_aux) -> None:
         if not self.healthy:

@@ -342,6 +342,8 @@ class Speculator:
         """Per-branch tensors: tokens [B, F], rotary positions of the branch roots, base visibility, features."""
         b = self.backend
         B, F = len(seqs), max(len(br) for br in branches)
+        if b.static is not None:  # fixed shapes: always the fan-out budget wide (one captured width)
+            F = max(F, sum(self.fanout), sum(self.fanout_miss))
         tokens = torch.zeros(B, F, dtype=torch.long)
         root_pos = torch.zeros(B, F, dtype=torch.long)
         width = max(max(br["visible"]) for row in branches for br in row) + 1

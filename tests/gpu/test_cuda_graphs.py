@@ -77,3 +77,44 @@ def test_ssd_two_processes_on_one_gpu(byte_tokenizer):
         assert engine.stats.cache_hits > 0
     finally:
         engine.close()
+
+
+@pytest.mark.parametrize("kind", ["eagle3", "draft_lm"])
+def test_draft_step_graph_replay_equals_eager(kind):
+    """The draft's steps (EAGLE-3 head, draft LM): captured once per shape, replayed with new inputs, equal to the
+    dynamic forward; outputs of an earlier replay survive the next one (the trees keep them)."""
+    from helpers import eagle3_head_for
+    from ssd_eagle.drafters.backends import DraftLMBackend, Eagle3Backend
+
+    target = make_tiny_llama(seed=4, num_layers=8, vocab_size=80, max_positions=256)
+    model = eagle3_head_for(target, draft_vocab=80) if kind == "eagle3" else noisy_copy(target, 0.02)
+    model = _cuda(model)
+    cls = Eagle3Backend if kind == "eagle3" else DraftLMBackend
+    eager, graphed = cls(model, 3, 256, fixed_shapes=False), cls(model, 3, 256)
+    assert graphed.static is not None and graphed.static.use_graphs
+    gen = torch.Generator().manual_seed(0)
+    H = graphed.hidden_size
+    for b in (eager, graphed):
+        for slot in range(3):
+            aux = torch.randn(19, 3 * target.config.hidden_size, generator=gen, dtype=torch.float64) \
+                if H else None
+            b.prefill(slot, list(range(10 + slot, 30 + slot)), aux.cuda() if aux is not None else None)
+    kept = []
+    for step in range(3):  # the same (bucket 4, width 4) each time: one capture, then replays
+        slots, n = [0, 0, 2], 4
+        write = torch.tensor([[20], [24], [28]]) + 4 * step + torch.arange(n)[None, :]
+        visible = torch.rand(3, n, int(write.max()) + 1, generator=gen) < 0.3
+        visible[:, :, :18] = True
+        visible.scatter_(2, write[..., None], True)
+        tokens = torch.randint(0, 80, (3, n), generator=gen)
+        positions = 19 + step + torch.tensor([[1, 2, 2, 3]] * 3)
+        feats = torch.randn(3, n, H, generator=gen, dtype=torch.float64).cuda() if H else None
+        expected = eager.step(slots, tokens, positions, write, visible, feats)
+        got = graphed.step(slots, tokens, positions, write, visible, feats)
+        for g, e in zip(got, expected):
+            if e is not None:
+                torch.testing.assert_close(g, e, rtol=0, atol=1e-9)
+        kept.append((got[0], got[0].clone()))
+    for view, copy in kept:
+        torch.testing.assert_close(view, copy, rtol=0, atol=0)
+    assert len(graphed.static._graphs) == 1, "one shape: captured once, replayed after"

@@ -1,0 +1,192 @@
+"""Fixed-shape draft steps (what CUDA graphs replay; eager on CPU) equal the dynamic ones: the EAGLE-3 head and the
+draft LM, in ``extend`` and ``step``, in chains, trees and the speculator's branch batches (hits and misses); SD and
+SSD runs through the fixed-shape path equal the target's greedy decode."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from helpers import eagle3_head_for, make_tiny_llama, noisy_copy, random_prompts, reference_greedy
+from test_ssd_eagle3 import K, eagle_ssd_engine, target_aux
+from ssd_eagle.drafters.backends import DraftLMBackend, Eagle3Backend
+from ssd_eagle.drafters.eagle3 import Eagle3Drafter
+from ssd_eagle.drafters.neural import draft_from_committed
+from ssd_eagle.drafters.tree import TreeSettings
+from ssd_eagle.engine.llm import LLM
+from ssd_eagle.engine.llm_engine import LLMEngine
+from ssd_eagle.sampling_params import SamplingParams
+from ssd_eagle.ssd.speculator import Speculator, SpecRequest
+
+TOL = dict(rtol=0, atol=1e-10)
+PROMPTS = {0: [3, 1, 4, 1, 5, 9, 2, 6], 1: [7, 7, 1, 2, 3, 9], 2: [2, 7, 1, 8, 2, 8, 1, 8, 2, 8]}
+
+
+@pytest.fixture(scope="module")
+def models():
+    target = make_tiny_llama(seed=4, num_layers=8, vocab_size=80, max_positions=256)
+    return target, eagle3_head_for(target, draft_vocab=80), noisy_copy(target, 0.02)
+
+
+def backend_pair(models, kind: str, num_slots: int = 3):
+    """The same draft twice: dynamic shapes, and fixed shapes with a counter of fixed-shape runs."""
+    target, head, draft = models
+    cls, model = (Eagle3Backend, head) if kind == "eagle3" else (DraftLMBackend, draft)
+    dynamic, fixed = cls(model, num_slots, 256, fixed_shapes=False), cls(model, num_slots, 256, fixed_shapes=True)
+    assert dynamic.static is None and fixed.static is not None
+    run, fixed.static_runs = fixed.static._run, []
+    fixed.static._run = lambda buf: fixed.static_runs.append(buf["input_ids"].shape) or run(buf)
+    pending = {}
+    for slot, prompt in PROMPTS.items():
+        aux = target_aux(target, head, prompt) if kind == "eagle3" else None
+        for b in (dynamic, fixed):
+            pending[slot] = b.prefill(slot, prompt, aux)
+    return dynamic, fixed, pending
+
+
+def assert_same_out(got, expected):
+    torch.testing.assert_close(got[0], expected[0], **TOL)
+    assert (got[1] is None) == (expected[1] is None)
+    if expected[1] is not None:
+        torch.testing.assert_close(got[1], expected[1], **TOL)
+
+
+def assert_same_cache(fixed, dynamic, num_slots: int = 3):
+    """Every sequence slot's cache is the same (padding rows wrote only into the scratch slot)."""
+    for store_f, store_d in ((fixed.kv.keys, dynamic.kv.keys), (fixed.kv.values, dynamic.kv.values)):
+        for layer_f, layer_d in zip(store_f, store_d):
+            cap = min(layer_f.shape[2], layer_d.shape[2])
+            torch.testing.assert_close(layer_f[:num_slots, :, :cap], layer_d[:num_slots, :, :cap], **TOL)
+
+
+def assert_same_proposals(got, expected):
+    for g, e in zip(got, expected):
+        assert (g.tokens, g.parents) == (e.tokens, e.parents)
+        for a, b in ((g.q, e.q), (g.hidden, e.hidden)):
+            assert (a is None) == (b is None)
+            if b is not None:
+                torch.testing.assert_close(a, b, **TOL)
+
+
+@pytest.mark.parametrize("kind", ["eagle3", "draft_lm"])
+def test_fixed_shape_extend_and_step_equal_dynamic(kind, models):
+    dynamic, fixed, _ = backend_pair(models, kind)
+    off, H = fixed.offset, fixed.hidden_size
+    gen = torch.Generator().manual_seed(0)
+    chunks, slots = [[5, 6], [7], [8, 9, 10]], [0, 1, 2]
+    starts = [len(PROMPTS[s]) - 1 - off for s in slots]
+    feats = [torch.randn(len(c), H, generator=gen, dtype=torch.float64) for c in chunks] if H else None
+    assert_same_out(fixed.extend(slots, chunks, starts, feats), dynamic.extend(slots, chunks, starts, feats))
+    # a tree-masked step over 3 rows (bucket 4: one padding row), two of them trees of one sequence
+    slots, n = [0, 0, 2], 4
+    region = torch.tensor([starts[0] + 2, starts[0] + 2 + n, starts[2] + 3])[:, None]
+    write = region + torch.arange(n)[None, :]
+    kv_len = int(write.max()) + 1
+    visible = torch.rand(3, n, kv_len, generator=gen) < 0.3
+    for r, s in enumerate(slots):
+        visible[r, :, : len(PROMPTS[s]) - 1 - off] = True
+        visible[r].scatter_(1, write[r][:, None], True)
+    tokens = torch.randint(0, 80, (3, n), generator=gen)
+    positions = torch.tensor([[9, 10, 10, 11], [9, 9, 10, 11], [11, 12, 12, 13]])
+    step_feats = torch.randn(3, n, H, generator=gen, dtype=torch.float64) if H else None
+    assert_same_out(fixed.step(slots, tokens, positions, write, visible, step_feats),
+                    dynamic.step(slots, tokens, positions, write, visible, step_feats))
+    assert_same_cache(fixed, dynamic)
+    assert fixed.static_runs == [(4, 3), (4, n)], "both forwards must run in fixed shapes (rows padded to 4)"
+    assert fixed.forwards == dynamic.forwards == 2
+
+
+@pytest.mark.parametrize("tree", [None, TreeSettings(6, K, 2)], ids=["chain", "tree"])
+@pytest.mark.parametrize("kind", ["eagle3", "draft_lm"])
+def test_fixed_shape_chains_and_trees_equal_dynamic(kind, tree, models):
+    dynamic, fixed, pending = backend_pair(models, kind)
+    proposals = []
+    for b in (dynamic, fixed):  # a greedy row and two sampled ones, with the same generators in both runs
+        seqs = [SimpleNamespace(slot=s, token_ids=p, params=SamplingParams(temperature=0.0 if s == 0 else 0.8),
+                                draft_generator=torch.Generator().manual_seed(s)) for s, p in PROMPTS.items()]
+        proposals.append(draft_from_committed(b, seqs, [len(p) - 1 for p in PROMPTS.values()],
+                                              [pending[s] for s in PROMPTS], [K, K - 1, K], tree=tree))
+    assert_same_proposals(proposals[1], proposals[0])
+    assert_same_cache(fixed, dynamic)
+    assert len(fixed.static_runs) == fixed.forwards > 1
+
+
+def _outcome(speculator: Speculator, slot: int, hit: bool, width: int) -> SpecRequest:
+    """A verifier report for ``slot``: a cached outcome (hit) or an uncached bonus after the same path (miss)."""
+    seq = speculator.seqs[slot]
+    path, bonus = next(iter(seq.cache)) if hit else ((), next(t for t in range(80) if ((), t) not in seq.cache))
+    aux = torch.randn(len(path) + 1, width, generator=torch.Generator().manual_seed(slot), dtype=torch.float64)
+    return SpecRequest(slot, len(path), bonus, K, aux=aux if speculator.backend.needs_aux else None,
+                       accepted=list(path))
+
+
+@pytest.mark.parametrize("tree", [None, TreeSettings(6, K, 2)], ids=["chain", "tree"])
+@pytest.mark.parametrize("kind", ["eagle3", "draft_lm"])
+def test_fixed_shape_branch_batches_equal_dynamic(kind, tree, models):
+    target, head, _ = models
+    dynamic, fixed, _ = backend_pair(models, kind)
+    width = 3 * target.config.hidden_size
+    fanout, fanout_miss = [2, 1, 1, 1], [3, 1, 1, 1]
+    specs = [Speculator(b, K, fanout, fanout_miss, tree=tree) for b in (dynamic, fixed)]
+    for spec in specs:
+        for slot in (0, 1):  # fresh prefill: the fixture's slots are overwritten from position 0
+            prompt = PROMPTS[slot]
+            aux = target_aux(target, head, prompt) if kind == "eagle3" else None
+            spec.add(slot, prompt, SamplingParams(temperature=0.0), seed=slot, aux=aux)
+    replies = [spec.propose([SpecRequest(0, -1, 0, K), SpecRequest(1, -1, 0, K)]) for spec in specs]
+    for spec in specs:
+        spec.build()
+    for rnd in range(2):  # slot 0 hits, slot 1 misses; then the other way round
+        assert_same_proposals(replies[1], replies[0])
+        for slot in (0, 1):
+            got, expected = specs[1].seqs[slot].cache, specs[0].seqs[slot].cache
+            assert got.keys() == expected.keys() and got
+            assert_same_proposals(list(got.values()), list(expected.values()))
+        if rnd == 1:
+            break
+        requests = [_outcome(specs[0], 0, True, width), _outcome(specs[0], 1, False, width)]
+        replies = [spec.propose(requests) for spec in specs]
+        assert [r.cache_hit for r in replies[1]] == [True, False]
+        for spec in specs:
+            spec.build()
+    branches = max(sum(fanout), sum(fanout_miss))
+    assert any(shape[1] == branches for shape in fixed.static_runs), "branches run at the fan-out budget's width"
+
+
+@pytest.mark.parametrize("tree", [0, 6], ids=["chain", "tree"])
+def test_ssd_eagle3_through_fixed_shapes_equals_greedy(tree, models, byte_tokenizer):
+    target, head, _ = models
+    engine = eagle_ssd_engine(target, head, byte_tokenizer, tree=tree, fanout=(20,) if tree else (60,))
+    backend = engine.drafter.speculator.speculator.backend
+    backend.use_fixed_shapes(True)
+    prompts = [[t % 80 for t in p] for p in random_prompts(4, seed=3)]
+    outs = LLM(engine=engine).generate(prompts, SamplingParams(temperature=0.0, max_tokens=14))
+    for prompt, out in zip(prompts, outs):
+        assert out.token_ids == reference_greedy(target, prompt, 14, eos=set())
+    stats = engine.stats
+    assert stats.cache_hits > 0 and stats.cache_lookups - stats.cache_hits > 0, "hits and misses must both occur"
+    assert backend.static._buffers, "the draft steps must have run in fixed shapes"
+
+
+def test_sd_eagle3_tree_through_fixed_shapes_equals_greedy(models, byte_tokenizer):
+    target, head, _ = models
+    drafter = Eagle3Drafter(head, num_slots=3, max_len=256, tree=TreeSettings(6, K, 2))
+    drafter.backend.use_fixed_shapes(True)
+    engine = LLMEngine(target, byte_tokenizer, drafter, num_speculative_tokens=K, max_num_seqs=3, max_model_len=200,
+                       max_draft_tokens=6)
+    prompts = [[t % 80 for t in p] for p in random_prompts(3, seed=5)]
+    outs = LLM(engine=engine).generate(prompts, SamplingParams(temperature=0.0, max_tokens=12))
+    for prompt, out in zip(prompts, outs):
+        assert out.token_ids == reference_greedy(target, prompt, 12, eos=set())
+    assert drafter.backend.static._buffers
+
+
+def test_eager_turns_the_draft_steps_dynamic(models, byte_tokenizer):
+    target, head, _ = models
+    drafter = Eagle3Drafter(head, num_slots=2, max_len=256)
+    drafter.backend.use_fixed_shapes(True)
+    LLMEngine(target, byte_tokenizer, drafter, num_speculative_tokens=K, max_num_seqs=2, max_model_len=200,
+              cuda_graphs=False)
+    assert drafter.backend.static is None
