@@ -86,6 +86,7 @@ def measure_verify_costs(runner, max_new: int, max_batch: int = 1, context: int 
     Args:
         runner: a :class:`~ssd_eagle.model_runner.ModelRunner` with at least ``max_batch`` free slots (their cache
             contents are overwritten: call this before any request is admitted).
+        context: prefix length, capped so that ``context + max_new`` fits the runner's cache.
         cache: read and write the table under ``cache_dir()/costs`` keyed by :func:`cost_key`.
 
     Returns:
@@ -95,6 +96,7 @@ def measure_verify_costs(runner, max_new: int, max_batch: int = 1, context: int 
     from ssd_eagle.kv_cache import ForwardBatch
 
     buckets = tuple(b for b in BATCH_BUCKETS if b < max_batch) + (max_batch,)
+    context = max(1, min(context, runner.kv.max_len - max_new))  # a short max_model_len still fits the probe
     key = cost_key(runner.model, max_new, buckets)
     path = cache_dir() / "costs" / f"{key}.json"
     if cache and path.exists():

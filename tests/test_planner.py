@@ -182,3 +182,13 @@ def test_planner_for_measures_costs_for_sd_chains_only(byte_tokenizer, tmp_path,
     assert not planner_for(engine, SpeculativeConfig(method="ngram", num_speculative_tokens=3)).config.choose_k
     assert planner_for(engine, SpeculativeConfig(method="ngram", adaptive=False)) is None
     assert planner_for(engine, SpeculativeConfig(method="draft_model", model="d", tree_budget=8)) is None
+
+
+def test_measure_verify_costs_fits_a_short_cache(tmp_path, monkeypatch):
+    """Bug fix: a 128-token probe context raised in an engine whose max_model_len was shorter."""
+    from ssd_eagle.model_runner import ModelRunner
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    runner = ModelRunner(make_tiny_llama(), num_slots=2, max_len=40)
+    table = measure_verify_costs(runner, max_new=6, max_batch=1, repeats=1)
+    assert len(table.verify[1]) == 6 and min(table.verify[1]) > 0
