@@ -1,6 +1,8 @@
 """Watching the SSD speculator from the server: a dead speculator process is noticed within ``interval`` seconds
-(no round needed: :meth:`~ssd_eagle.ssd.client.SSDDrafter.probe` checks the process), then replaced in the
-background with exponential backoff.
+(no round needed: :meth:`~ssd_eagle.ssd.client.SSDDrafter.probe` checks the process), a hung one (alive, no
+heartbeat for ``speculator_heartbeat_timeout`` s, 3 by default) as soon as its link's watchdog declares it hung and
+kills it (:class:`~ssd_eagle.ssd.client.RemoteSpeculator`; a propose blocked on it then fails over at once); either
+is replaced in the background with exponential backoff.
 
 While the speculator is down, decoding goes on without speculation (the engine's drafter is unhealthy, losing
 nothing: output at T = 0 equals plain decoding). A fresh speculator is spawned off the engine thread (loading the

@@ -75,6 +75,9 @@ class SpeculativeConfig(ConfigModel):
         "verifier's process, no overlap; for debugging)")
     speculator_timeout: float = Field(60.0, description="seconds the verifier waits for the speculator before "
                                       "falling back to plain decoding")
+    speculator_heartbeat_timeout: float = Field(3.0, gt=0.5, le=60.0, description="seconds without a heartbeat "
+                                                "(one every 0.5 s) after which the speculator process is hung: "
+                                                "killed, then restarted by the server")
     tree_budget: int = Field(0, ge=0, description="propose EAGLE-2 dynamic trees of this many nodes (0: chains of "
                              "K tokens)")
     tree_depth: int = Field(5, ge=1, description="dynamic tree levels (capped by K)")

@@ -6,7 +6,12 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import signal
 import threading
+import time
+
+import pytest
 
 from _server_helpers import CYCLE, asgi_request, lifespan, make_model, make_tokenizer
 from inference.api_server import build_app
@@ -82,11 +87,15 @@ def test_a_dead_speculator_is_noticed_without_a_round_and_replaced():
     assert "ssd_eagle_drafter_healthy 1.0" in metrics
 
 
-def test_killing_the_speculator_process_mid_request_then_speculating_again(byte_tokenizer):
-    """A real SSD speculator process: SIGKILL mid-request; the request's tokens equal plain greedy decoding, the
-    death shows on /health within 1 s, and after the restart a new request is drafted by the new process."""
-    import time
-
+@pytest.mark.parametrize("signal, within, reason", [
+    (signal.SIGKILL, 1.0, ""),  # dead: the process check, or the round's broken link
+    (signal.SIGSTOP, 5.0, "no heartbeat"),  # hung: alive but silent, the heartbeat (3 s) tells
+])
+def test_a_speculator_process_killed_or_stopped_mid_request_then_speculating_again(byte_tokenizer, signal,
+                                                                                   within, reason):
+    """A real SSD speculator process, killed (SIGKILL) or hung (SIGSTOP) mid-request: the request's tokens equal
+    plain greedy decoding, /health says degraded within ``within`` s without a round, and after the restart a new
+    request is drafted by the new process (a hung one was killed: no stopped process is left behind)."""
     from helpers import make_tiny_llama, noisy_copy
     from ssd_eagle.config import EngineConfig, SpeculativeConfig
     from ssd_eagle.engine.factory import build
@@ -103,31 +112,37 @@ def test_killing_the_speculator_process_mid_request_then_speculating_again(byte_
     app.state.supervisor.backoff = 0.2
     prompt = [9, 8, 7, 6, 5]
     body = {"prompt": prompt, "max_tokens": 150, "temperature": 0, "ignore_eos": True}
+    old = engine.drafter.speculator
 
     async def run():
         async with lifespan(app):
             running = asyncio.create_task(asgi_request(app, "POST", "/v1/completions", body))
             while engine.stats.num_rounds < 3:
                 await asyncio.sleep(0.01)
-            old = engine.drafter.speculator
-            old.process.kill()
-            killed = time.monotonic()
-            while engine.drafter.healthy and time.monotonic() - killed < 5:
+            os.kill(old.process.pid, signal)
+            hit = time.monotonic()
+            health = {"status": "ok"}
+            while health["status"] == "ok" and time.monotonic() - hit < within + 2:
+                health = _body(await asgi_request(app, "GET", "/health"))
                 await asyncio.sleep(0.02)
-            noticed = time.monotonic() - killed
+            noticed = time.monotonic() - hit
             deadline = time.monotonic() + 120
             while (engine.drafter.speculator is old or not engine.drafter.healthy) and time.monotonic() < deadline:
                 await asyncio.sleep(0.1)
             done = await running
             drafted = engine.stats.num_drafted
             later = await asgi_request(app, "POST", "/v1/completions", {**body, "max_tokens": 20})
-            return noticed, done, drafted, later
+            return noticed, health, done, drafted, later
 
     try:
-        noticed, done, drafted, later = asyncio.run(run())
+        noticed, health, done, drafted, later = asyncio.run(run())
     finally:
         engine.close()
-    assert noticed < 1.0
+        if old.process.is_alive():  # never leave a stopped process behind, whatever failed
+            old.process.kill()
+    assert noticed < within, noticed
+    assert health["status"] == "degraded" and reason in health["reason"], health
+    assert old.process.exitcode is not None  # killed (the hung one by the link's watchdog)
     assert done[0] == 200 and later[0] == 200
     assert _body(done)["choices"][0]["text"] == _plain_text(target, byte_tokenizer, prompt, 150)  # exact at T = 0
     assert engine.stats.num_drafted > drafted  # the new speculator drafted for the later request

@@ -124,8 +124,9 @@ class SpeculatorProcess(InProcess):
         if config.draft_device.startswith("cuda") and config.device.startswith("cuda") and \
                 torch.device(config.draft_device) != torch.device(config.device):
             settings.dist_backend = "nccl"
-        return RemoteSpeculator(settings, draft, timeout=config.speculative_config.speculator_timeout,
-                                cpus=verifier_cpus, verifier_device=config.device)
+        spec = config.speculative_config
+        return RemoteSpeculator(settings, draft, timeout=spec.speculator_timeout, cpus=verifier_cpus,
+                                verifier_device=config.device, heartbeat_timeout=spec.speculator_heartbeat_timeout)
 
 
 def default_placement(config) -> InProcess:
@@ -168,7 +169,8 @@ def make_drafter(config, target, max_model_len: int, placement=None, draft: nn.M
         from ssd_eagle.ssd.client import RemoteSpeculator
 
         def respawn():  # the settings the first one left: its cores and backend; this process stays pinned
-            return RemoteSpeculator(settings, draft, timeout=spec.speculator_timeout, verifier_device=config.device)
+            return RemoteSpeculator(settings, draft, timeout=spec.speculator_timeout, verifier_device=config.device,
+                                    heartbeat_timeout=spec.speculator_heartbeat_timeout)
     return SSDDrafter(speculator, needs_aux=aux_ids is not None, aux_layer_ids=aux_ids, draft_name=spec.method,
                       respawn=respawn)
 

@@ -6,14 +6,17 @@ the speculation cache answered. The speculator lives either in this process (:cl
 logic, no overlap; for tests and debugging) or in its own process on its own device (:class:`RemoteSpeculator`,
 over a :class:`SpeculatorLink`: the messages of :mod:`ssd_eagle.ssd.protocol` on a link of its own).
 
-If the speculator dies, stalls past the timeout, or reports an error, the drafter turns unhealthy and proposes
-nothing from then on: every request finishes with ordinary decoding (the engine's K = 0 path) and loses no token.
+If the speculator dies, hangs (no heartbeat: :class:`RemoteSpeculator`), stalls past the timeout, or reports an
+error, the drafter turns unhealthy and proposes nothing from then on: every request finishes with ordinary decoding
+(the engine's K = 0 path) and loses no token.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import threading
+import time
 
 import torch
 import torch.multiprocessing as mp
@@ -22,7 +25,7 @@ from ssd_eagle.drafters.base import Drafter, Proposal
 from ssd_eagle.ssd import protocol as p
 from ssd_eagle.ssd import transport as t
 from ssd_eagle.ssd.speculator import SpecRequest
-from ssd_eagle.ssd.worker import SpeculatorSettings, build_speculator, worker_main
+from ssd_eagle.ssd.worker import HEARTBEAT_INTERVAL, SpeculatorSettings, build_speculator, worker_main
 
 log = logging.getLogger(__name__)
 
@@ -118,6 +121,12 @@ class RemoteSpeculator(SpeculatorLink):
     """The speculator in a process of its own, spawned here and reached over a two-rank link of its own
     (:mod:`ssd_eagle.ssd.transport`), whatever process groups this process has.
 
+    The process beats a heartbeat (:func:`~ssd_eagle.ssd.worker.beat`, every 0.5 s). A watchdog thread here
+    checks it every ``heartbeat_timeout / 8`` s: after ``heartbeat_timeout`` s without one the speculator is hung
+    (alive but not running, e.g. SIGSTOP) and is killed, which also ends a send or receive blocked on it (the link
+    breaks: :class:`~ssd_eagle.ssd.transport.SpeculatorUnavailable`), so a propose never waits on a hung
+    speculator much longer than ``heartbeat_timeout``.
+
     Args:
         settings: what the worker needs (fan-out, backup, device, CPU cores, ...).
         draft: the draft module (sent once, tensors in shared memory).
@@ -125,35 +134,77 @@ class RemoteSpeculator(SpeculatorLink):
         cpus: CPU cores to pin *this* (the verifier's) process to, or None.
         startup_timeout: seconds the speculator has to join.
         verifier_device: this process's device (the channel's buffers live there with NCCL).
+        heartbeat_timeout: seconds without a heartbeat after which the speculator is declared hung and killed.
     """
 
     def __init__(self, settings: SpeculatorSettings, draft, timeout: float = 60.0, cpus: list[int] | None = None,
-                 startup_timeout: float = 300.0, verifier_device: str = "cpu"):
+                 startup_timeout: float = 300.0, verifier_device: str = "cpu", heartbeat_timeout: float = 3.0):
+        if heartbeat_timeout <= HEARTBEAT_INTERVAL:
+            raise ValueError(f"heartbeat_timeout must exceed the heartbeat interval of {HEARTBEAT_INTERVAL} s, got "
+                             f"{heartbeat_timeout}")
         if cpus:
             os.sched_setaffinity(0, cpus)
-        self.settings = settings
+        self.settings, self.heartbeat_timeout = settings, heartbeat_timeout
         self.store = t.open_store(0, startup_timeout)
         settings.store_port = self.store.port
-        self.process = mp.get_context("spawn").Process(target=worker_main, args=(settings, draft, startup_timeout),
-                                                       daemon=True)
+        context = mp.get_context("spawn")
+        self.heartbeat = context.RawValue("d", time.monotonic())  # seconds of time.monotonic(), beaten there
+        self.process = context.Process(target=worker_main, args=(settings, draft, startup_timeout, self.heartbeat),
+                                       daemon=True)
         self.process.start()
         group = t.pair_group(self.store, t.VERIFIER, settings.dist_backend, startup_timeout)
         device = "cpu" if settings.dist_backend == "gloo" else verifier_device
         super().__init__(t.Channel(group, t.SPECULATOR, settings.float_dtype, device), settings.vocab_size, timeout)
+        self.killed_hung: float | None = None  # the heartbeat's age (s) when the watchdog killed the process
+        self._stop = threading.Event()
+        threading.Thread(target=self._watch, name="speculator-watchdog", daemon=True).start()
+
+    @property
+    def heartbeat_age(self) -> float:
+        """Seconds since the speculator's last heartbeat."""
+        return time.monotonic() - self.heartbeat.value
+
+    @property
+    def hung(self) -> bool:
+        """Whether the process is alive but sent no heartbeat for ``heartbeat_timeout`` s."""
+        return self.process.exitcode is None and self.heartbeat_age > self.heartbeat_timeout
 
     @property
     def alive(self) -> bool:
-        return not self.closed and self.process.exitcode is None
+        return not self.closed and self.process.exitcode is None and not self.hung
+
+    @property
+    def down_reason(self) -> str | None:
+        """Why the speculator cannot answer (None while it can)."""
+        if self.killed_hung is not None:
+            return f"the speculator was hung (no heartbeat for {self.killed_hung:.1f} s) and was killed"
+        if self.closed:
+            return "the speculator was shut down"
+        if self.process.exitcode is not None:
+            return f"the speculator process is not running (exit code {self.process.exitcode})"
+        if self.hung:
+            return f"the speculator is hung (no heartbeat for {self.heartbeat_age:.1f} s)"
+        return None
 
     def _check_alive(self) -> None:
-        if self.closed or not self.process.is_alive():
-            raise t.SpeculatorUnavailable("the speculator process is not running")
+        if not self.alive:
+            raise t.SpeculatorUnavailable(self.down_reason or "the speculator process is not running")
+
+    def _watch(self) -> None:
+        while not self._stop.wait(self.heartbeat_timeout / 8) and self.process.exitcode is None:
+            if self.hung:
+                self.killed_hung = self.heartbeat_age
+                log.error("the speculator sent no heartbeat for %.1f s; killing it", self.killed_hung,
+                          extra={"fields": {"event": "speculator_hung", "heartbeat_age_s": self.killed_hung}})
+                self.process.kill()
+                return
 
     def close(self) -> None:
-        """Stop the speculator process and release the link (idempotent)."""
+        """Stop the speculator process and release the link (idempotent; a hung one is killed at once)."""
         if self.closed:
             return
-        if self.process.is_alive():
+        self._stop.set()
+        if self.alive:
             super().close()
             self.process.join(timeout=10)
         self.closed = True
@@ -190,13 +241,15 @@ class SSDDrafter(Drafter):
         self._registered: set[str] = set()
 
     def _fail(self, err: Exception) -> None:
+        # the speculator's own account (e.g. hung, then killed) over the broken link's
+        error = getattr(self.speculator, "down_reason", None) or str(err)
         if self.healthy:
-            log.error("speculator unavailable, continuing with ordinary decoding: %s", err)
-        self.healthy, self.error = False, str(err)
+            log.error("speculator unavailable, continuing with ordinary decoding: %s", error)
+        self.healthy, self.error = False, error
 
     def probe(self) -> bool:
-        """Mark the drafter unhealthy when its speculator is gone (no message sent: safe from any thread, at any
-        time). Returns ``healthy``."""
+        """Mark the drafter unhealthy when its speculator is gone or hung (no message sent: safe from any thread,
+        at any time). Returns ``healthy``."""
         if self.healthy and not getattr(self.speculator, "alive", True):
             self._fail(t.SpeculatorUnavailable("the speculator process is not running"))
         return self.healthy

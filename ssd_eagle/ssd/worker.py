@@ -4,11 +4,16 @@ Started by :class:`~ssd_eagle.ssd.client.RemoteSpeculator` with ``torch.multipro
 verifier's two-rank link (:mod:`ssd_eagle.ssd.transport`; rank 1 there), pins itself to its own CPU cores or GPU,
 and serves until SHUTDOWN (messages: :mod:`ssd_eagle.ssd.protocol`). The draft model arrives as a module (its
 tensors in shared memory) and is moved to the speculator's device. Answering before building is what lets drafting overlap the target's verification.
+
+From its first instruction to its end the process beats a heartbeat (:data:`HEARTBEAT_INTERVAL`): a daemon thread
+writes ``time.monotonic()`` (system-wide on Linux) into a shared double the verifier reads without a message, so a
+process that is alive but not running (stopped, starved, stuck holding the GIL) is told apart from a slow one.
 """
 
 from __future__ import annotations
 
 import os
+import threading
 import time
 from dataclasses import dataclass
 
@@ -46,6 +51,17 @@ class SpeculatorSettings:
     cuda_graphs: bool = True  # fixed-shape, CUDA-graph draft steps on CUDA (False: --eager)
 
 
+HEARTBEAT_INTERVAL = 0.5  # seconds between two heartbeats of the speculator process
+
+
+def beat(heartbeat, interval: float = HEARTBEAT_INTERVAL) -> None:
+    """Write ``time.monotonic()`` (seconds) into ``heartbeat.value`` every ``interval`` s, forever (a daemon
+    thread's loop)."""
+    while True:
+        heartbeat.value = time.monotonic()
+        time.sleep(interval)
+
+
 def build_speculator(settings: SpeculatorSettings, draft):
     """The :class:`~ssd_eagle.ssd.speculator.Speculator` for a draft module (used in-process and in the worker)."""
     from ssd_eagle.drafters.base import SaguaroSampling
@@ -71,8 +87,11 @@ def build_speculator(settings: SpeculatorSettings, draft):
                       settings.fanout_power)
 
 
-def worker_main(settings: SpeculatorSettings, draft, startup_timeout: float = 300.0) -> None:
-    """Entry point of the speculator process."""
+def worker_main(settings: SpeculatorSettings, draft, startup_timeout: float = 300.0, heartbeat=None) -> None:
+    """Entry point of the speculator process; ``heartbeat``: a shared double (``multiprocessing.RawValue("d")``)
+    beaten every :data:`HEARTBEAT_INTERVAL` s from a daemon thread, or None."""
+    if heartbeat is not None:
+        threading.Thread(target=beat, args=(heartbeat,), name="heartbeat", daemon=True).start()
     if settings.cpus:
         os.sched_setaffinity(0, settings.cpus)
     torch.set_num_threads(settings.threads)
