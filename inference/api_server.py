@@ -201,26 +201,34 @@ async def get_model(model_id: str, request: Request) -> dict:
     return _model_card(server, server.check_model(model_id)).model_dump()
 
 
-def _check_length(prompt_ids: list[int], max_tokens: int | None, max_model_len: int, vocab_size: int,
-                  prompt_param: str, default_max_tokens: int | None = None) -> int:
+def _check_length(prompt_ids: list[int], max_tokens: int | None, engine, prompt_param: str,
+                  default_max_tokens: int | None = None) -> int:
     """Check a prompt against the context and return the request's ``max_tokens``: the one given, or
-    ``default_max_tokens`` capped to the room the prompt leaves (vLLM's default; None: all of that room).
+    ``default_max_tokens`` capped to the room the prompt leaves in the context and in the KV budget (vLLM's
+    default; None: all of that room). Call on the engine thread (it reads the engine's scheduler).
 
     Raises:
         RequestError: an empty prompt or one out of the vocabulary, a prompt that alone leaves no room for a token
-            (naming the prompt), or a given ``max_tokens`` past the room left (naming ``max_tokens``).
+            in the context or, without ``max_tokens``, in the KV budget (naming the prompt), or a given
+            ``max_tokens`` past the room left in the context (naming ``max_tokens``).
     """
     if not prompt_ids:
         raise RequestError(f"{prompt_param} must not be empty", prompt_param)
-    if any(not 0 <= t < vocab_size for t in prompt_ids):
-        raise RequestError(f"prompt token ids must be in [0, {vocab_size})", prompt_param)
+    if any(not 0 <= t < engine.vocab_size for t in prompt_ids):
+        raise RequestError(f"prompt token ids must be in [0, {engine.vocab_size})", prompt_param)
+    max_model_len = engine.max_model_len
     room = max_model_len - len(prompt_ids)
     if room < 1:
         raise RequestError(f"this model's maximum context length is {max_model_len} tokens and the {prompt_param} "
                            f"alone takes {len(prompt_ids)}; shorten the {prompt_param}", prompt_param,
                            "context_length_exceeded")
     if max_tokens is None:
-        return room if default_max_tokens is None else min(default_max_tokens, room)
+        kv_room = engine.scheduler.max_new_tokens(len(prompt_ids))
+        if kv_room is not None and kv_room < 1:
+            raise RequestError(f"the {prompt_param} ({len(prompt_ids)} tokens) leaves no room for a token in this "
+                               f"server's KV cache budget (kv_cache_memory); shorten the {prompt_param}",
+                               prompt_param, "kv_cache_exceeded")
+        return min(x for x in (room, default_max_tokens, kv_room) if x is not None)
     if max_tokens > room:
         raise RequestError(
             f"this model's maximum context length is {max_model_len} tokens; the request has {len(prompt_ids)} "
@@ -251,8 +259,7 @@ async def create_completion(request: Request):
 
     def prepare(tokenizer):
         ids = tokenizer(prompt).input_ids if isinstance(prompt, str) else list(prompt)
-        max_tokens = _check_length(ids, req.max_tokens, engine.max_model_len, engine.vocab_size, "prompt",
-                                   COMPLETIONS_DEFAULT_MAX_TOKENS)
+        max_tokens = _check_length(ids, req.max_tokens, engine, "prompt", COMPLETIONS_DEFAULT_MAX_TOKENS)
         return ids, params.model_copy(update={"max_tokens": max_tokens})
 
     formatter = CompletionFormatter(server, f"cmpl-{uuid.uuid4().hex}", model, req.logprobs is not None,
@@ -278,8 +285,8 @@ async def create_chat_completion(request: Request):
         except Exception as err:  # noqa: BLE001 - template errors (e.g. raise_exception on bad roles)
             raise RequestError(f"the messages could not be rendered with the model's chat template: {err}",
                                "messages") from None
-        # chat default: the rest of the context
-        max_tokens = _check_length(ids, requested, engine.max_model_len, engine.vocab_size, "messages")
+        # chat default: the rest of the context (and of the KV budget)
+        max_tokens = _check_length(ids, requested, engine, "messages")
         return ids, params.model_copy(update={"max_tokens": max_tokens})
 
     formatter = ChatFormatter(server, f"chatcmpl-{uuid.uuid4().hex}", model, req.logprobs, _include_usage(req))

@@ -83,6 +83,14 @@ class Scheduler:
         if prefixes is not None and self.budget is not None:
             prefixes.evict(self.budget - rows * capacity * kv.bytes_per_position)
 
+    def max_new_tokens(self, num_prompt_tokens: int) -> int | None:
+        """The largest ``max_tokens`` whose :meth:`reservation` alone fits the KV budget (may be < 1), or None when
+        the budget bounds nothing below ``max_len``."""
+        if self.budget is None or self.budget // self.bytes_per_position >= self.max_len:
+            return None
+        positions = self.budget // self.bytes_per_position // POSITION_GRANULARITY * POSITION_GRANULARITY
+        return positions - num_prompt_tokens - self.tokens_per_round
+
     def check_fits(self, seq: Sequence) -> None:
         """Raises ValueError (naming ``max_tokens`` and ``kv_cache_memory``) when ``seq`` alone would not fit."""
         if self.budget is None:
