@@ -252,26 +252,26 @@ async def run_phase(client: httpx.AsyncClient, args, model: str, seconds: float,
                 key = index % len(PROMPTS)
                 phase.results.append(await one_request(client, args, model, PROMPTS[key], key=key))
 
-    await asyncio.wait_for(asyncio.gather(*(worker(i) for i in range(args.clients))),
-                           timeout=seconds + args.timeout + 30)
+    workers = [asyncio.ensure_future(worker(i)) for i in range(args.clients)]
+    _, pending = await asyncio.wait(workers, timeout=seconds + args.timeout + 30)
+    for task in pending:  # a request still running long after the duration: counted as an error
+        task.cancel()
+        phase.results.append(Result(False, time.perf_counter() - phase.start, error="unfinished at the phase's end"))
     phase.end = time.perf_counter()
     return phase
 
 
 async def restarts_total(client: httpx.AsyncClient) -> float | None:
     """``ssd_eagle_speculator_restarts_total`` from ``/metrics`` (None: not reported)."""
-    for line in (await client.get("/metrics")).text.splitlines():
-        if line.startswith("ssd_eagle_speculator_restarts_total "):
-            return float(line.split()[1])
-    return None
+    lines = (await client.get("/metrics")).text.splitlines()
+    return next((float(x.split()[1]) for x in lines if x.startswith("ssd_eagle_speculator_restarts_total ")), None)
 
 
 async def kill_later(seconds: float, server_pid: int | None, record: dict) -> None:
     """SIGKILL the server's speculator process ``seconds`` from now; ``record`` gets its pid and the time."""
     await asyncio.sleep(seconds)
-    pids = speculator_pids(server_pid)
-    record.update(killed_pids=pids, at=time.perf_counter())
-    for pid in pids:
+    record.update(killed_pids=speculator_pids(server_pid), at=time.perf_counter())
+    for pid in record["killed_pids"]:
         os.kill(pid, signal.SIGKILL)
 
 
@@ -279,16 +279,15 @@ async def kill_report(client: httpx.AsyncClient, args, model: str, phase: Phase,
                       record: dict, restarts_before: float | None) -> dict:
     """What happened around the speculator kill: errors, outputs against the reference, then (waiting up to
     ``--timeout`` s for ``/metrics`` to count the restart) whether one more request is drafted again."""
-    at = record.get("at")
-    short = [r for r in phase.results if r.ok and r.kind == "short" and r.key in reference]
+    at, short = record.get("at"), [r for r in phase.results if r.ok and r.kind == "short" and r.key in reference]
     waited = time.perf_counter()
     while (await restarts_total(client) or 0) <= (restarts_before or 0) and time.perf_counter() - waited < args.timeout:
         await asyncio.sleep(1.0)
     probe = await one_request(client, args, model, PROMPTS[0], key=0)
     return {
         "killed_pids": record.get("killed_pids", []), "killed_at_s": at and round(at - phase.start, 2),
-        "errors": sum(not r.ok for r in phase.results),
-        "outputs_compared": len(short), "outputs_equal_reference": sum(r.text == reference[r.key] for r in short),
+        "errors": sum(not r.ok for r in phase.results), "outputs_compared": len(short),
+        "outputs_equal_reference": sum(r.text == reference[r.key] for r in short),
         "restarts_total": {"before": restarts_before, "after": await restarts_total(client)},
         "restart_seen_after_phase_s": round(time.perf_counter() - waited, 1),
         "requests_started_after_kill_drafted": sum(bool(r.drafted) for r in phase.results if at and r.started > at),
@@ -373,8 +372,8 @@ async def main_async(args) -> dict:
         pid = args.server_pid or find_listening_pid(urlparse(args.url).port or 80)
         counter = [0]
         if args.warmup > 0:
-            print(f"warm-up: {args.clients} clients for {args.warmup:g} s ...", file=sys.stderr)
-            await run_phase(client, args, model, args.warmup, counter)
+            print(f"warm-up: {args.clients} clients for {args.warmup:g} s of short requests ...", file=sys.stderr)
+            await run_phase(client, argparse.Namespace(**{**vars(args), "mix": "short"}), model, args.warmup, counter)
         reference, record, restarts = {}, {}, None
         if args.kill_speculator is not None:
             print("reference outputs, one request at a time ...", file=sys.stderr)
