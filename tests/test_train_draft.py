@@ -425,7 +425,7 @@ def test_deepspeed_launch_trains_resumes_and_exports(tiny_setup, tmp_path):
     assert [r["step"] for r in records if "loss" in r][40:] == [41, 42, 43, 44]
 
     export = tmp_path / "export"
-    export_main([str(out), str(export), "--dtype", "float32"])
+    export_main([str(out / "checkpoints" / "latest"), str(export), "--dtype", "float32"])  # the README's form
     head = load_eagle3(export, target_config=trainer.target.config)
     saved = trainer.head.state_dict()
     for name, tensor in head.state_dict().items():
