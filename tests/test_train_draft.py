@@ -18,6 +18,7 @@ import yaml
 
 from helpers import make_tiny_llama
 from ssd_eagle.models.eagle3 import Eagle3Config, Eagle3DraftModel, build_vocab_mapping
+from ssd_eagle.platform import resolve_dtype
 from train.config import ConfigError, config_from_dict, deepspeed_config, load_config, parse_args
 from train.ttt import (
     chain_masks,
@@ -244,7 +245,9 @@ def test_shipped_configs_parse():
         assert cfg.data and cfg.output_dir
     eagle = load_config(REPO / "configs" / "smollm2-135m-eagle3.yaml")
     assert eagle.draft == "eagle3" and eagle.ttt_steps == 7 and eagle.ttt_decay == 0.8
-    assert (eagle.adam_beta1, eagle.adam_beta2, eagle.grad_clip, eagle.dtype) == (0.9, 0.95, 0.5, "float32")
+    native_bf16 = resolve_dtype("auto", "cuda" if torch.cuda.is_available() else "cpu") == torch.bfloat16
+    assert (eagle.adam_beta1, eagle.adam_beta2, eagle.grad_clip) == (0.9, 0.95, 0.5)
+    assert eagle.dtype == ("bfloat16" if native_bf16 else "float32")  # dtype: auto, decided when the config is read
     saguaro = load_config(REPO / "configs" / "smollm2-135m-eagle3-saguaro.yaml")
     same = {k: v for k, v in saguaro.to_dict().items() if not k.startswith("saguaro") and k != "output_dir"}
     assert same == {k: v for k, v in eagle.to_dict().items() if not k.startswith("saguaro") and k != "output_dir"}

@@ -20,16 +20,18 @@ def _losses(out) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in read_metrics(out)[0]}
 
 
-@pytest.mark.parametrize("precision", [{"autocast": "bfloat16"}, {"dtype": "bfloat16"}], ids=["autocast", "deepspeed"])
-def test_a_bf16_training_step_equals_float32(tiny_setup, tmp_path, precision):
+@pytest.mark.parametrize("draft,precision", [("eagle3", {"autocast": "bfloat16"}), ("eagle3", {"dtype": "bfloat16"}),
+                                             ("draft_lm", {"autocast": "bfloat16"}), ("draft_lm", {"dtype": "bfloat16"})],
+                         ids=["eagle3-autocast", "eagle3-deepspeed", "draft_lm-autocast", "draft_lm-deepspeed"])
+def test_a_bf16_training_step_equals_float32(tiny_setup, tmp_path, draft, precision):
     """Two optimizer steps from the same initialisation: the loss before (step 1) and after (step 2) the first
     update agree within 1e-2 relative."""
     values = tiny_config(tiny_setup, tmp_path / "f32", max_steps=2, save_every=2, eval_every=0, heldout_data=None,
-                         report_to=["none"], warmup_steps=0)
+                         report_to=["none"], warmup_steps=0, draft=draft)
     run_trainer(**values)
     low, _ = run_trainer(**dict(values, output_dir=str(tmp_path / "bf16"), **precision))
     if "autocast" in precision:
-        assert low.autocast_dtype == torch.bfloat16 and next(low.head.parameters()).dtype == torch.float32
+        assert low.autocast_dtype == torch.bfloat16 and next(low.module.parameters()).dtype == torch.float32
     ref_loss, low_loss = _losses(tmp_path / "f32"), _losses(tmp_path / "bf16")
     for step in (1, 2):
         assert low_loss[step] == pytest.approx(ref_loss[step], rel=1e-2), (step, ref_loss, low_loss)

@@ -79,7 +79,10 @@ class TrainConfig(ConfigModel):
         micro_batch_size: sequences per rank per forward; grad_accum: micro batches per optimizer step.
         epochs: passes over the data (fractional allowed); max_steps: optimizer steps, overrides ``epochs``.
         dtype: parameter dtype of the draft; ``bfloat16``/``float16`` turns on DeepSpeed's ``bf16``/``fp16`` section
-            (16-bit weights and compute, float32 master weights in the ZeRO optimizer).
+            (16-bit weights and compute, float32 master weights and optimizer state in the ZeRO optimizer; the
+            faster of the two bf16 paths on CPUs, ``scripts/bench_train_precision.py``); ``"auto"``: bfloat16 where
+            the device runs it natively (:func:`ssd_eagle.platform.resolve_dtype`), else float32, decided when the
+            config is read.
         autocast: compute dtype of the draft's forward under ``torch.autocast`` with ``dtype: float32`` weights
             (float32 master weights and optimizer state, matmuls in bf16); ``"auto"``: bfloat16 where the device
             runs it natively (:func:`ssd_eagle.platform.resolve_dtype`), else off; None: off.
@@ -140,7 +143,7 @@ class TrainConfig(ConfigModel):
     grad_accum: Positive = 1
     epochs: float = Field(1.0, gt=0.0)
     max_steps: Positive | None = None
-    dtype: Dtype = "float32"
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "float32"
     autocast: Literal["auto", "bfloat16", "float16"] | None = None
     seed: int = 0
 
@@ -160,6 +163,12 @@ class TrainConfig(ConfigModel):
 
     @model_validator(mode="after")
     def _check_combination(self) -> TrainConfig:
+        if self.dtype == "auto":  # the machine decides, once (the saved config records the choice)
+            import torch
+
+            from ssd_eagle.platform import resolve_dtype
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+            self.dtype = "bfloat16" if resolve_dtype("auto", device) == torch.bfloat16 else "float32"
         if self.mode == "offline" and not self.features_dir:
             raise ValueError("mode 'offline' needs features_dir (written by train/precompute_features.py)")
         if self.autocast is not None and self.dtype != "float32":

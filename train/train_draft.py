@@ -85,7 +85,8 @@ class DraftLMTrainable(nn.Module):
     def forward(self, inputs_embeds, target_hidden, loss_mask, lm_head_weight):
         from train.draft_lm import kl_loss
         hidden = self.body(inputs_embeds.to(self.body.model.norm.weight.dtype))
-        return kl_loss(hidden, target_hidden, lm_head_weight, loss_mask)
+        with torch.autocast(hidden.device.type, enabled=False):  # the fused KL keeps float32 for its backward
+            return kl_loss(hidden, target_hidden, lm_head_weight, loss_mask)
 
 
 # ----------------------------------------------------------------------------------------------------------------
