@@ -1,6 +1,6 @@
-"""Training precision and resumption on a tiny EAGLE-3 run (one-rank gloo world, in this process): a bf16 step
-(torch.autocast over float32 master weights, and DeepSpeed's bf16 section) equals the float32 step within 1e-2
-relative, and a run interrupted after its checkpoint continues the uninterrupted run's loss curve."""
+"""Training precision and resumption on tiny EAGLE-3 and draft-LM runs (one-rank gloo world, in this process): a
+bf16 step (torch.autocast over float32 master weights, and DeepSpeed's bf16 section) equals the float32 step within
+1e-2 relative, and a run interrupted after its checkpoint continues the uninterrupted run's loss curve."""
 
 from __future__ import annotations
 
@@ -21,7 +21,8 @@ def _losses(out) -> dict[int, float]:
 
 
 @pytest.mark.parametrize("draft,precision", [("eagle3", {"autocast": "bfloat16"}), ("eagle3", {"dtype": "bfloat16"}),
-                                             ("draft_lm", {"autocast": "bfloat16"}), ("draft_lm", {"dtype": "bfloat16"})],
+                                             ("draft_lm", {"autocast": "bfloat16"}),
+                                             ("draft_lm", {"dtype": "bfloat16"})],
                          ids=["eagle3-autocast", "eagle3-deepspeed", "draft_lm-autocast", "draft_lm-deepspeed"])
 def test_a_bf16_training_step_equals_float32(tiny_setup, tmp_path, draft, precision):
     """Two optimizer steps from the same initialisation: the loss before (step 1) and after (step 2) the first

@@ -172,7 +172,7 @@ class TrainConfig(ConfigModel):
         if self.mode == "offline" and not self.features_dir:
             raise ValueError("mode 'offline' needs features_dir (written by train/precompute_features.py)")
         if self.autocast is not None and self.dtype != "float32":
-            raise ValueError(f"autocast needs dtype 'float32' master weights, got dtype {self.dtype!r}")
+            raise ValueError(f"autocast runs over float32 weights: it needs dtype 'float32', got {self.dtype!r}")
         if self.saguaro_c is not None and self.draft != "eagle3":
             raise ValueError(f"saguaro_c (a Saguaro-aware objective) needs draft 'eagle3', got {self.draft!r}")
         return self

@@ -3,8 +3,8 @@ run's learning curve.
 
 Every record goes to ``<output_dir>/metrics.jsonl`` (rank 0) and, per ``report_to`` (as transformers' trainer
 names it), to TensorBoard (``torch.utils.tensorboard``, event files in ``<output_dir>/tensorboard``) and wandb
-(``wandb.init(project=..., dir=output_dir)``; the project is ``WANDB_PROJECT`` or ``ssd-eagle``). Scalars: ``train/loss``,
-``train/step_loss/<i>`` and ``train/step_acc/<i>`` per TTT step ``i`` (top-1 agreement with the target's argmax),
+(``wandb.init(project=..., dir=output_dir)``; the project is ``WANDB_PROJECT`` or ``ssd-eagle``). Scalars:
+``train/loss``, ``train/step_loss/<i>`` and ``train/step_acc/<i>`` per TTT step ``i`` (top-1 agreement with the target's argmax),
 ``train/lr``, ``train/grad_norm``, ``train/tokens_per_s``, ``heldout/tau`` and ``heldout/acc/<i>``, SpecForge's
 tracker layout. A resumed run purges the TensorBoard events past its checkpoint (they are trained again).
 """

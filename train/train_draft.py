@@ -10,13 +10,14 @@ steps and at the end; a run resumes from the latest, with the draft vocabulary r
 recounted).
 
 What the config needs and lacks (offline features, the held-out set) is built first (:mod:`train.prepare`).
-Precision: ``dtype`` float32, or DeepSpeed's bf16 section (``dtype: bfloat16``), or float32 master weights with
-bf16 matmuls under ``torch.autocast`` (``autocast``).
+Precision: ``dtype: float32``; ``dtype: bfloat16`` (or ``auto`` where bf16 is native), DeepSpeed's bf16 section
+with float32 master weights and optimizer state (the faster bf16 path on CPUs); or float32 weights with bf16
+matmuls under ``torch.autocast`` (``autocast``).
 
 Logged (tqdm bar, ``<output_dir>/metrics.jsonl`` and the ``report_to`` trackers, rank 0; :mod:`train.tracking`):
 loss, per-TTT-step soft cross-entropy and top-1 accuracy against the target's argmax, learning rate, gradient norm,
-tokens/s, and every ``eval_every`` steps the held-out tau. The held-out tau is a teacher-forced simulation of greedy chain drafting (K = ``eval_num_draft``
-drafts a round) on held-out text the target generated itself (``heldout_data``): for greedy decoding of that text
+tokens/s, and every ``eval_every`` steps the held-out tau. The held-out tau is a teacher-forced simulation of
+greedy chain drafting (K = ``EVAL_NUM_DRAFT`` drafts a round) on held-out text the target generated itself (``heldout_data``): for greedy decoding of that text
 it equals what the engine would measure (see :func:`train.ttt.simulate_acceptance`), without running the engine.
 """
 
