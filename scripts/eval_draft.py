@@ -4,6 +4,10 @@ Chain drafting with K tokens per round at T = 0 (greedy: tau depends only on the
 held-out MT-Bench questions (first turn) and held-out HumanEval problems, rendered with the chat template.
 
     python scripts/eval_draft.py --draft eagle3=drafts/smollm2-135m-eagle3 --draft draft_model=drafts/smollm2-135m-draftlm
+    python scripts/eval_draft.py --curve runs/smollm2-135m-eagle3 --no-eval   # only the learning-curve PNG
+
+``--curve RUN_DIR`` writes ``RUN_DIR/learning_curve.png`` from the training run's ``metrics.jsonl`` (loss, top-1
+accuracy per TTT step and held-out tau against steps; :func:`train.tracking.plot_learning_curve`).
 """
 
 from __future__ import annotations
@@ -11,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from pathlib import Path
 
 import torch
 
@@ -22,6 +27,7 @@ from ssd_eagle.engine.llm_engine import LLMEngine
 from ssd_eagle.platform import DTYPE_HELP, DTYPES, describe_line, resolve_dtype
 from ssd_eagle.prompts import heldout_prompts
 from ssd_eagle.sampling_params import SamplingParams
+from train.tracking import plot_learning_curve
 
 
 def evaluate(model, tokenizer, spec: SpeculativeConfig, prompts: list[list[int]], max_tokens: int,
@@ -48,7 +54,15 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--json", default=None, help="also write the table here")
+    ap.add_argument("--curve", action="append", default=[], metavar="RUN_DIR",
+                    help="write RUN_DIR/learning_curve.png from a training run's metrics.jsonl (repeatable)")
+    ap.add_argument("--no-eval", action="store_true", help="only write the --curve PNGs")
     args = ap.parse_args()
+
+    for run_dir in args.curve:
+        print("learning curve:", plot_learning_curve(run_dir, Path(run_dir) / "learning_curve.png"), flush=True)
+    if args.no_eval:
+        return
 
     torch.set_num_threads(args.threads)
     dtype = resolve_dtype(args.dtype, "cpu")

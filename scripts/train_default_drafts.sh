@@ -1,12 +1,16 @@
 #!/usr/bin/env bash
 # Reproduce the default drafts of SmolLM2-135M-Instruct (configs/smollm2-135m-{eagle3,draftlm}.yaml):
-#   1. held-out MT-Bench text answered greedily by the target (for the teacher-forced tau estimate)
-#   2. the target's features, computed once (offline mode; shared by both drafts)
+#   1. held-out MT-Bench text answered greedily by the target (for the teacher-forced tau estimate; 40 questions,
+#      of which the trainer's periodic estimate uses heldout_samples)
+#   2. the target's features, computed once (offline mode; shared by all drafts; incremental, so a rerun or an
+#      interrupted build only computes what is missing). The trainer would build both itself, but PARALLEL=1
+#      would then build them three times at once.
 #   3. the EAGLE-3 head, the Saguaro-aware EAGLE-3 head (issue 7) and the draft LM, trained with DeepSpeed
 #      (CPU: gloo; GPUs: unchanged)
 #   4. exports into drafts/ (bf16; the draft LM compact: its trained tensors only) and a tau estimate of each
-# Needs data/smollm2-135m/regenerated.jsonl.gz (scripts/regenerate_data.py). Extra arguments go to both training
-# runs (e.g. --max_steps 200). NUM_GPUS (default 1) ranks per run; PARALLEL=1 trains the three drafts at once.
+# Needs data/smollm2-135m/regenerated.jsonl.gz (scripts/regenerate_data.py). Extra arguments go to the feature
+# build and every training run (e.g. --max_steps 200 --autocast auto). NUM_GPUS (default 1) ranks per run;
+# PARALLEL=1 trains the three drafts at once.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -16,12 +20,11 @@ DRAFTLM=configs/smollm2-135m-draftlm.yaml
 SAGUARO=configs/smollm2-135m-eagle3-saguaro.yaml
 DATA=data/smollm2-135m/regenerated.jsonl.gz
 HELDOUT=runs/heldout/mtbench-smollm2-135m.jsonl
-FEATURES=runs/features/smollm2-135m
 
 [ -f "$DATA" ] || { echo "missing $DATA: run scripts/regenerate_data.py first" >&2; exit 1; }
 [ -f "$HELDOUT" ] || python -m train.heldout generate "$HELDOUT" --split mtbench --every 2 --max-tokens 384 \
     --batch-size 20
-[ -f "$FEATURES/index-rank0.json" ] || deepspeed --num_gpus "$NUM_GPUS" train/precompute_features.py --config "$EAGLE"
+deepspeed --num_gpus "$NUM_GPUS" train/precompute_features.py --config "$EAGLE" "$@"
 
 if [ "${PARALLEL:-0}" = 1 ]; then  # all runs at once, one thread each (a small CPU)
   deepspeed --num_gpus "$NUM_GPUS" --master_port 29701 train/train_draft.py --config "$EAGLE" --num_threads 1 "$@" &

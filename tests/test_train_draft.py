@@ -18,6 +18,7 @@ import yaml
 
 from helpers import make_tiny_llama
 from ssd_eagle.models.eagle3 import Eagle3Config, Eagle3DraftModel, build_vocab_mapping
+from ssd_eagle.platform import resolve_dtype
 from train.config import ConfigError, config_from_dict, deepspeed_config, load_config, parse_args
 from train.ttt import (
     chain_masks,
@@ -244,7 +245,9 @@ def test_shipped_configs_parse():
         assert cfg.data and cfg.output_dir
     eagle = load_config(REPO / "configs" / "smollm2-135m-eagle3.yaml")
     assert eagle.draft == "eagle3" and eagle.ttt_steps == 7 and eagle.ttt_decay == 0.8
-    assert (eagle.adam_beta1, eagle.adam_beta2, eagle.grad_clip, eagle.dtype) == (0.9, 0.95, 0.5, "float32")
+    native_bf16 = resolve_dtype("auto", "cuda" if torch.cuda.is_available() else "cpu") == torch.bfloat16
+    assert (eagle.adam_beta1, eagle.adam_beta2, eagle.grad_clip) == (0.9, 0.95, 0.5)
+    assert eagle.dtype == ("bfloat16" if native_bf16 else "float32")  # dtype: auto, decided when the config is read
     saguaro = load_config(REPO / "configs" / "smollm2-135m-eagle3-saguaro.yaml")
     same = {k: v for k, v in saguaro.to_dict().items() if not k.startswith("saguaro") and k != "output_dir"}
     assert same == {k: v for k, v in eagle.to_dict().items() if not k.startswith("saguaro") and k != "output_dir"}
@@ -344,8 +347,11 @@ def test_aux_ids_fed_in_training_equal_serving(tiny_setup, tmp_path):
 def test_offline_features_are_incremental_and_equal_online(tiny_setup, tmp_path):
     from train.data import load_conversations
     from train.features import FeatureStore, TargetFeatureExtractor, conversation_key
+    from ssd_eagle.assets import load_model
+    from train.feature_source import load_feature_source
     from train.precompute_features import precompute
 
+    trainer_target, tokenizer = load_model(tiny_setup["target"], dtype=torch.float32)
     feats = tmp_path / "features"
     half = tmp_path / "half.jsonl"
     lines = Path(tiny_setup["data"]).read_text().splitlines(keepends=True)
@@ -354,8 +360,8 @@ def test_offline_features_are_incremental_and_equal_online(tiny_setup, tmp_path)
                          feature_dtype="float32", max_steps=2, save_every=2, eval_every=2)
     first = precompute(config_from_dict(dict(values, data=str(half))), run="a")
     assert first["samples"] == 10 and first["skipped"] == 0
-    with pytest.raises(ValueError, match="have no features"):
-        run_trainer(**values)
+    with pytest.raises(ValueError, match="have no features"):  # what the trainer's own build (train.prepare) fills
+        load_feature_source(config_from_dict(values), trainer_target, tokenizer, None, 0, 1, torch.device("cpu"))
     second = precompute(config_from_dict(values), run="b")
     assert second["skipped"] == 10 and second["samples"] == len(lines) - 10
     assert precompute(config_from_dict(values), run="c")["index"] is None  # nothing left to do
@@ -378,15 +384,19 @@ def test_offline_features_are_incremental_and_equal_online(tiny_setup, tmp_path)
 # the one end-to-end deepspeed launch
 
 def test_deepspeed_launch_trains_resumes_and_exports(tiny_setup, tmp_path):
-    """``deepspeed --num_gpus 1 train/train_draft.py``: fixed seed, the loss falls below 0.8x its start; the run
-    then resumes from its latest checkpoint (in this process) and exports a loadable head."""
+    """The README command, ``deepspeed --num_gpus 1 train/train_draft.py --config ...``, on a tiny offline config
+    from an empty folder: the trainer builds its features and held-out set itself (``train.prepare``), the loss
+    falls below 0.8x its start (fixed seed), TensorBoard gets the curves; the run then resumes from its latest
+    checkpoint (in this process), reusing what was built, and exports a loadable head."""
     from ssd_eagle.models.eagle3_formats import load_eagle3
     from train.export import main as export_main
 
     if shutil.which("deepspeed") is None:
         pytest.fail("the deepspeed launcher is not installed (pip install deepspeed)")
-    out = tmp_path / "run"
-    values = tiny_config(tiny_setup, out, max_steps=40, save_every=20, eval_every=20, lr=5e-3, seed=0)
+    out, feats, held = tmp_path / "run", tmp_path / "features", tmp_path / "heldout" / "mtbench.jsonl"
+    values = tiny_config(tiny_setup, out, max_steps=40, save_every=20, eval_every=20, lr=5e-3, seed=0,
+                         mode="offline", features_dir=str(feats), feature_dtype="float32", heldout_data=str(held),
+                         heldout_samples=1, heldout_max_tokens=8, max_length=256, report_to=["tensorboard"])
     cfg_path = tmp_path / "tiny.yaml"
     cfg_path.write_text(yaml.safe_dump(values))
     env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""),
@@ -398,20 +408,27 @@ def test_deepspeed_launch_trains_resumes_and_exports(tiny_setup, tmp_path):
                            "--config", str(cfg_path)], cwd=REPO, env=env, capture_output=True, text=True,
                           timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "tokens/s (float32, 1 rank(s)" in proc.stdout, proc.stdout[-2000:]
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     train = [r for r in records if "loss" in r]
     assert train[0]["step"] == 1 and train[-1]["step"] == 40
     assert train[-1]["loss"] < 0.8 * train[0]["loss"], (train[0]["loss"], train[-1]["loss"])
     assert any("heldout_tau" in r for r in records)
     assert (out / "checkpoints" / "latest").read_text().strip() == "step-00000040"
+    indexes = sorted(feats.glob("index-*.json"))
+    assert len(indexes) == 1 and len(json.loads(indexes[0].read_text())["samples"]) == 48
+    assert len(held.read_text().splitlines()) == 1 and held.with_name(held.name + ".meta.json").exists()
+    assert list((out / "tensorboard").glob("events.out.tfevents.*"))
+    built = {p: p.stat().st_mtime_ns for p in [*indexes, held]}
 
     trainer, result = run_trainer(**dict(values, max_steps=44))
     assert trainer.state["step"] == 44 and result["step"] == 44
+    assert {p: p.stat().st_mtime_ns for p in [*feats.glob("index-*.json"), held]} == built  # reused, not rebuilt
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records if "loss" in r][40:] == [41, 42, 43, 44]
 
     export = tmp_path / "export"
-    export_main([str(out), str(export), "--dtype", "float32"])
+    export_main([str(out / "checkpoints" / "latest"), str(export), "--dtype", "float32"])  # the README's form
     head = load_eagle3(export, target_config=trainer.target.config)
     saved = trainer.head.state_dict()
     for name, tensor in head.state_dict().items():

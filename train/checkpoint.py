@@ -55,12 +55,15 @@ def latest_checkpoint(root: str | os.PathLike) -> Path | None:
 
 
 def resolve_checkpoint(path: str | os.PathLike) -> Path:
-    """A step directory from: a step directory, a checkpoints root (its ``latest``), or a run's output dir.
+    """A step directory from: a step directory, a checkpoints root (its ``latest``), its ``latest`` file itself
+    (DeepSpeed's convention, ``runs/<run>/checkpoints/latest``), or a run's output dir.
 
     Raises:
         FileNotFoundError: none of those.
     """
     path = Path(path)
+    if path.name == LATEST and path.is_file():
+        path = path.parent
     if (path / DRAFT_DIR / DRAFT_CONFIG).is_file() or (path / TRAINER_STATE).is_file():
         return path
     for root in (path, path / CHECKPOINTS):

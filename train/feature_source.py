@@ -4,7 +4,8 @@
   frozen target runs forward on every micro-batch (:class:`train.features.TargetFeatureExtractor`).
 * **offline**: the features were computed beforehand (``train/precompute_features.py``) and are read from a
   :class:`train.features.FeatureStore`; a ``data`` file selects exactly its conversations, which must all have
-  features made with the same target and aux layer ids.
+  features of this config's :func:`~train.precompute_features.feature_key` (target, aux layer ids, storage dtype,
+  hidden size, max length; the trainer builds missing ones first, :mod:`train.prepare`).
 
 The held-out set (``heldout_data``) always gets its features from the target, once, at start-up.
 """
@@ -55,8 +56,9 @@ def load_feature_source(cfg: TrainConfig, target, tokenizer, aux_layer_ids: tupl
     """This rank's samples (module docstring), global data stats, and the held-out set.
 
     Raises:
-        ValueError: online mode without ``data``; offline features that lack some of ``data``'s conversations, or
-            were made for other aux layer ids or another target; a rank left without samples.
+        ValueError: online mode without ``data``; offline features that lack some of ``data``'s conversations;
+            a rank left without samples.
+        FileNotFoundError: offline, no features of this config's key in ``features_dir``.
     """
     if cfg.mode == "online":
         from train.data import build_dataset, load_conversations
@@ -77,23 +79,18 @@ def load_feature_source(cfg: TrainConfig, target, tokenizer, aux_layer_ids: tupl
     else:
         from train.data import load_conversations
         from train.features import FeatureStore, conversation_key
+        from train.precompute_features import feature_key
 
-        store = FeatureStore(cfg.features_dir)
+        key = feature_key(cfg, target.config.get_text_config())
+        store = FeatureStore(cfg.features_dir, matching=key)
         if cfg.data:  # train on exactly the conversations of the data file, all of which must have features
             keys = [conversation_key(c["messages"]) for c in load_conversations(cfg.data, limit=cfg.data_limit)]
             missing = set(keys) - store.keys - store.dropped
             if missing:
                 raise ValueError(f"{len(missing)} of the {len(keys)} conversations of {cfg.data} have no features "
                                  f"in {cfg.features_dir}: run train/precompute_features.py with this config")
-            store = FeatureStore(cfg.features_dir, only=keys)
+            store = FeatureStore(cfg.features_dir, only=keys, matching=key)
         meta = store.meta
-        want = list(aux_layer_ids) if aux_layer_ids else None
-        if want is not None and meta.get("aux_layer_ids") != want:
-            raise ValueError(f"{cfg.features_dir} holds aux states of layers {meta.get('aux_layer_ids')}, "
-                             f"the head needs {want}; recompute the features")
-        if meta.get("target") not in (None, cfg.target):
-            raise ValueError(f"{cfg.features_dir} was made with target {meta.get('target')!r}, not "
-                             f"{cfg.target!r}")
         indices = list(range(len(store)))[: None if cfg.data else cfg.data_limit]
         mine = indices[rank * len(indices) // world:(rank + 1) * len(indices) // world]
         lengths = [store.lengths[i] for i in mine]

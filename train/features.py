@@ -150,8 +150,9 @@ def write_feature_shards(samples: Iterable[dict], extractor: TargetFeatureExtrac
                          *, run: str, rank: int = 0, dtype: torch.dtype = torch.bfloat16, batch_size: int = 1,
                          samples_per_shard: int = 256, meta: dict | None = None, total: int | None = None,
                          progress: bool = True) -> Path:
-    """Run the target over ``samples`` once and write this rank's shards and index (atomically: files are renamed
-    into place, the index last, so a killed run leaves no index and is simply redone).
+    """Run the target over ``samples`` once and write this rank's shards and index. Files are renamed into place
+    and the index is rewritten after every shard, listing only shards already on disk: a killed run keeps what it
+    finished (up to the last shard), and a later run computes only the conversations it lacks.
 
     Args:
         samples: dicts with ``input_ids``, ``loss_mask`` and ``conv`` (:func:`conversation_key`).
@@ -173,6 +174,12 @@ def write_feature_shards(samples: Iterable[dict], extractor: TargetFeatureExtrac
     shard: dict[str, torch.Tensor] = {}
     shard_id = 0
 
+    path = out / f"index-{run}-rank{rank}.json"
+
+    def write_index():
+        with atomic_write(path) as tmp:
+            tmp.write_text(json.dumps(index))
+
     def flush():
         nonlocal shard, shard_id
         if not shard:
@@ -181,6 +188,7 @@ def write_feature_shards(samples: Iterable[dict], extractor: TargetFeatureExtrac
         with atomic_write(out / name) as tmp:
             save_file(shard, str(tmp))
         shard, shard_id = {}, shard_id + 1
+        write_index()
 
     pending: list[dict] = []
     count = 0
@@ -211,9 +219,7 @@ def write_feature_shards(samples: Iterable[dict], extractor: TargetFeatureExtrac
     if pending:
         process(pending)
     flush()
-    path = out / f"index-{run}-rank{rank}.json"
-    with atomic_write(path) as tmp:
-        tmp.write_text(json.dumps(index))
+    write_index()  # also when every sample was dropped: the index records them
     return path
 
 
@@ -227,25 +233,31 @@ class FeatureStore:
     Args:
         path: the features directory.
         only: keep just the samples whose conversation key is in this collection (in its order).
+        matching: read only the runs whose index metadata has these :data:`SHARED_META` values (a directory may
+            then hold features of several targets, dtypes or lengths side by side; see :mod:`train.prepare`).
 
     Raises:
-        FileNotFoundError: no index in ``path``.
+        FileNotFoundError: no (matching) index in ``path``.
         ValueError: an index of another format, or runs that disagree on the target, aux ids, dtype, hidden size
             or max length.
     """
 
-    def __init__(self, path: str | os.PathLike, only: Sequence[str] | None = None):
+    def __init__(self, path: str | os.PathLike, only: Sequence[str] | None = None, matching: dict | None = None):
         self.path = Path(path)
         indexes = sorted(self.path.glob("index-*.json"))
-        if not indexes:
-            raise FileNotFoundError(f"no feature index (index-*.json) in {self.path}; run "
-                                    "train/precompute_features.py first")
+        docs = [(idx, json.loads(idx.read_text())) for idx in indexes]
+        if matching is not None:
+            docs = [(idx, doc) for idx, doc in docs
+                    if all(doc.get("meta", {}).get(k) == v for k, v in matching.items())]
+        if not docs:
+            raise FileNotFoundError(f"no feature index (index-*.json) in {self.path}"
+                                    + (f" for {matching}" if matching is not None else "")
+                                    + "; run train/precompute_features.py first (the trainer builds it itself)")
         self.meta: dict | None = None
         self.samples: list[dict] = []
         self.dropped: set[str] = set()  # conversations without a loss token (nothing to store)
         seen: set[str] = set()
-        for idx in indexes:
-            doc = json.loads(idx.read_text())
+        for idx, doc in docs:
             if doc.get("format") != FEATURES_FORMAT:
                 raise ValueError(f"{idx}: not a feature index ({FEATURES_FORMAT})")
             shared = {k: doc["meta"].get(k) for k in SHARED_META}

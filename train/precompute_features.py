@@ -10,8 +10,9 @@ safetensors shards plus an index into ``features_dir`` (layout in :mod:`train.fe
 target's greedy next token, hidden states in ``feature_dtype``. The same directory serves both draft kinds (the
 draft LM ignores the aux states). No process group is needed: the rank and world size come from the environment.
 
-Incremental: conversations already in ``features_dir`` (same content) are skipped, so a run over a data file that
-has grown computes only the new rows, and a killed run is redone from its last complete invocation.
+Incremental and resumable: conversations already in ``features_dir`` (same content, same :func:`feature_key`) are
+skipped, so a run over a data file that has grown computes only the new rows, and a killed run continues from its
+last complete shard. The trainer runs the same steps itself when its features are missing (:mod:`train.prepare`).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ if __package__ in (None, ""):
 
 import torch
 
+from ssd_eagle.model_runner import default_aux_layer_ids
 from train.config import TrainConfig, parse_args
 
 
@@ -63,6 +65,64 @@ def masked_samples(conversations: list[dict], tokenizer, max_length: int, check_
     return samples, dropped, stats.as_dict()
 
 
+def feature_key(cfg: TrainConfig, text_config) -> dict:
+    """The :data:`~train.features.SHARED_META` values of the features ``cfg`` trains on (``text_config``: the
+    target's text config). Runs of a features directory with other values (another target, aux ids, storage dtype,
+    hidden size or ``max_length``) are ignored, not mixed in, so changing any of them builds new features."""
+    aux = cfg.aux_layer_ids or default_aux_layer_ids(text_config.num_hidden_layers)
+    return {"target": cfg.target, "aux_layer_ids": list(aux), "dtype": cfg.feature_dtype,
+            "hidden_size": int(text_config.hidden_size), "max_length": cfg.max_length}
+
+
+def missing_conversations(cfg: TrainConfig, key: dict) -> tuple[int, list[dict]]:
+    """``(number of conversations of cfg.data, those without features of this key in features_dir)``.
+
+    Raises:
+        ValueError: no ``features_dir`` or no ``data`` in the config.
+    """
+    from train.data import load_conversations
+    from train.features import FeatureStore, conversation_key
+
+    if not cfg.features_dir or not cfg.data:
+        raise ValueError("precomputing features needs features_dir and data in the config")
+    convs = load_conversations(cfg.data, limit=cfg.data_limit)
+    try:
+        store = FeatureStore(cfg.features_dir, matching=key)
+        done = store.keys | store.dropped
+    except FileNotFoundError:
+        done = set()
+    return len(convs), [c for c in convs if conversation_key(c["messages"]) not in done]
+
+
+def write_features(cfg: TrainConfig, todo: list[dict], target, tokenizer, key: dict, rank: int = 0,
+                   world_size: int = 1, run: str | None = None) -> dict:
+    """Mask this rank's share of ``todo`` and write its feature shards (tqdm bar on rank 0).
+
+    Returns:
+        ``{"index", "samples", "tokens", "seconds"}`` (``index`` None when this rank had nothing to do).
+    """
+    from train.features import TargetFeatureExtractor, write_feature_shards
+
+    todo = todo[rank * len(todo) // world_size: (rank + 1) * len(todo) // world_size]
+    samples, dropped, stats = masked_samples(todo, tokenizer, cfg.max_length, cfg.check_heldout,
+                                             cfg.progress and rank == 0)
+    result = {"index": None, "samples": len(samples), "tokens": sum(len(s["input_ids"]) for s in samples),
+              "seconds": 0.0}
+    if not samples and not dropped:
+        return result
+    extractor = TargetFeatureExtractor(target, key["aux_layer_ids"], max_batch=cfg.micro_batch_size,
+                                       max_len=cfg.max_length)
+    t0 = time.perf_counter()
+    meta = {"target": cfg.target, "data": cfg.data, "data_limit": cfg.data_limit, "max_length": cfg.max_length,
+            "world_size": world_size, "mask_stats": stats, "dropped": dropped}
+    run = run or time.strftime("%Y%m%d-%H%M%S")
+    index = write_feature_shards(samples, extractor, cfg.features_dir, run=run, rank=rank,
+                                 dtype=getattr(torch, cfg.feature_dtype), batch_size=cfg.micro_batch_size, meta=meta,
+                                 total=len(samples), progress=cfg.progress and rank == 0)
+    result.update(index=str(index), seconds=time.perf_counter() - t0)
+    return result
+
+
 def precompute(cfg: TrainConfig, rank: int = 0, world_size: int = 1, run: str | None = None) -> dict:
     """Write this rank's feature shards for the conversations of ``cfg.data`` that ``cfg.features_dir`` lacks.
 
@@ -73,41 +133,15 @@ def precompute(cfg: TrainConfig, rank: int = 0, world_size: int = 1, run: str | 
         ValueError: no ``features_dir`` or no ``data`` in the config.
     """
     from ssd_eagle.assets import load_model
-    from ssd_eagle.model_runner import default_aux_layer_ids
-    from train.data import load_conversations
-    from train.features import FeatureStore, TargetFeatureExtractor, conversation_key, write_feature_shards
 
-    if not cfg.features_dir or not cfg.data:
-        raise ValueError("precomputing features needs features_dir and data in the config")
     if cfg.num_threads:
         torch.set_num_threads(cfg.num_threads)
     device = f"cuda:{os.environ.get('LOCAL_RANK', 0)}" if torch.cuda.is_available() else "cpu"
     target, tokenizer = load_model(cfg.target, dtype=torch.float32, device=device)
-    num_layers = target.config.get_text_config().num_hidden_layers
-    aux_ids = tuple(cfg.aux_layer_ids) if cfg.aux_layer_ids else default_aux_layer_ids(num_layers)
-    convs = load_conversations(cfg.data, limit=cfg.data_limit)
-    done: set[str] = set()
-    if Path(cfg.features_dir).is_dir() and any(Path(cfg.features_dir).glob("index-*.json")):
-        store = FeatureStore(cfg.features_dir)
-        done = store.keys | store.dropped
-    todo = [c for c in convs if conversation_key(c["messages"]) not in done]
-    todo = todo[rank * len(todo) // world_size: (rank + 1) * len(todo) // world_size]
-    samples, dropped, stats = masked_samples(todo, tokenizer, cfg.max_length, cfg.check_heldout,
-                                             cfg.progress and rank == 0)
-    result = {"index": None, "samples": len(samples), "tokens": sum(len(s["input_ids"]) for s in samples),
-              "seconds": 0.0, "skipped": len(convs) - len(todo)}
-    if not samples and not dropped:
-        return result
-    extractor = TargetFeatureExtractor(target, aux_ids, max_batch=cfg.micro_batch_size, max_len=cfg.max_length)
-    t0 = time.perf_counter()
-    meta = {"target": cfg.target, "data": cfg.data, "data_limit": cfg.data_limit, "max_length": cfg.max_length,
-            "world_size": world_size, "mask_stats": stats, "dropped": dropped}
-    run = run or time.strftime("%Y%m%d-%H%M%S")
-    index = write_feature_shards(samples, extractor, cfg.features_dir, run=run, rank=rank,
-                                 dtype=getattr(torch, cfg.feature_dtype), batch_size=cfg.micro_batch_size, meta=meta,
-                                 total=len(samples), progress=cfg.progress and rank == 0)
-    result.update(index=str(index), seconds=time.perf_counter() - t0)
-    return result
+    key = feature_key(cfg, target.config.get_text_config())
+    total, todo = missing_conversations(cfg, key)
+    result = write_features(cfg, todo, target, tokenizer, key, rank, world_size, run)
+    return dict(result, skipped=total - len(todo))
 
 
 def main(argv: list[str] | None = None) -> dict:

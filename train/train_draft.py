@@ -9,10 +9,15 @@ beforehand (offline mode, ``train/precompute_features.py``); each rank reads its
 steps and at the end; a run resumes from the latest, with the draft vocabulary read from the checkpoint (never
 recounted).
 
-Logged (tqdm bar and ``<output_dir>/metrics.jsonl``, rank 0): loss, per-TTT-step soft cross-entropy and top-1
-accuracy against the target's argmax, learning rate, gradient norm, tokens/s, and every ``eval_every`` steps the
-held-out tau. The held-out tau is a teacher-forced simulation of greedy chain drafting (K = ``eval_num_draft``
-drafts a round) on held-out text the target generated itself (``heldout_data``): for greedy decoding of that text
+What the config needs and lacks (offline features, the held-out set) is built first (:mod:`train.prepare`).
+Precision: ``dtype: float32``; ``dtype: bfloat16`` (or ``auto`` where bf16 is native), DeepSpeed's bf16 section
+with float32 master weights and optimizer state (the faster bf16 path on CPUs); or float32 weights with bf16
+matmuls under ``torch.autocast`` (``autocast``).
+
+Logged (tqdm bar, ``<output_dir>/metrics.jsonl`` and the ``report_to`` trackers, rank 0; :mod:`train.tracking`):
+loss, per-TTT-step soft cross-entropy and top-1 accuracy against the target's argmax, learning rate, gradient norm,
+tokens/s, and every ``eval_every`` steps the held-out tau. The held-out tau is a teacher-forced simulation of
+greedy chain drafting (K = ``EVAL_NUM_DRAFT`` drafts a round) on held-out text the target generated itself (``heldout_data``): for greedy decoding of that text
 it equals what the engine would measure (see :func:`train.ttt.simulate_acceptance`), without running the engine.
 """
 
@@ -38,6 +43,8 @@ from train import checkpoint as ckpt
 from train.config import TrainConfig, deepspeed_config, parse_args, save_config, zero_stage
 from train.distributed import accelerator_device, all_reduce, init_distributed
 from train.feature_source import load_feature_source
+from train.prepare import ensure_features, ensure_heldout
+from train.tracking import MetricsWindow, Tracker
 from train.ttt import (
     AcceptanceStats,
     SaguaroObjective,
@@ -79,7 +86,8 @@ class DraftLMTrainable(nn.Module):
     def forward(self, inputs_embeds, target_hidden, loss_mask, lm_head_weight):
         from train.draft_lm import kl_loss
         hidden = self.body(inputs_embeds.to(self.body.model.norm.weight.dtype))
-        return kl_loss(hidden, target_hidden, lm_head_weight, loss_mask)
+        with torch.autocast(hidden.device.type, enabled=False):  # the fused KL keeps float32 for its backward
+            return kl_loss(hidden, target_hidden, lm_head_weight, loss_mask)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -138,6 +146,9 @@ class Trainer:
         if self.rank == 0:
             self.ckpt_root.mkdir(parents=True, exist_ok=True)
         self.dtype = getattr(torch, cfg.dtype)
+        from ssd_eagle.platform import resolve_dtype
+        amp = resolve_dtype(cfg.autocast, self.device) if cfg.autocast else torch.float32
+        self.autocast_dtype = amp if amp != torch.float32 else None  # "auto" on a CPU without native bf16: off
 
         self.target, self.tokenizer = load_model(cfg.target, dtype=torch.float32, device=self.device)
         self.target.requires_grad_(False)
@@ -160,6 +171,8 @@ class Trainer:
                 if saved != self.aux_layer_ids:
                     raise ValueError(f"checkpoint aux_layer_ids {saved} != config {self.aux_layer_ids}")
 
+        ensure_features(cfg, self.target, self.tokenizer, self.rank, self.world)
+        ensure_heldout(cfg, self.rank)
         self.data = load_feature_source(cfg, self.target, self.tokenizer, self.aux_layer_ids, self.rank, self.world,
                                         self.device)
         self.module = self._build_draft()
@@ -263,15 +276,19 @@ class Trainer:
         """Run the engine on a :class:`~train.features.TargetBatch`. Returns ``(loss, step_loss [K], step_correct
         [K], step_count [K], hits [B, n, K], step_nonstall [K] or None)`` (summed P_ns of the Saguaro-aware
         objective)."""
+        autocast = torch.autocast(self.device.type, self.autocast_dtype or torch.float32,
+                                  enabled=self.autocast_dtype is not None)
         if self.cfg.draft == "eagle3":
             targets = draft_targets(batch.last_hidden, self.lm_head_weight, self.head.draft_target_ids,
                                     self.head.t2d, argmax=batch.argmax)
-            out = self.engine(batch.input_ids, batch.loss_mask, batch.aux_hidden.to(self.dtype), targets,
-                              num_steps)
+            with autocast:
+                out = self.engine(batch.input_ids, batch.loss_mask, batch.aux_hidden.to(self.dtype), targets,
+                                  num_steps)
             hits = eagle3_hits(out.draft_argmax, self.head.draft_target_ids, batch.input_ids)
             return out.loss, out.step_loss, out.step_correct, out.step_count, hits, out.step_nonstall
         embeds = self.target_embed(batch.input_ids).detach()
-        loss, argmax, valid = self.engine(embeds, batch.last_hidden, batch.loss_mask, self.lm_head_weight)
+        with autocast:
+            loss, argmax, valid = self.engine(embeds, batch.last_hidden, batch.loss_mask, self.lm_head_weight)
         correct = ((argmax == batch.argmax) & valid).sum().float()
         hits = draft_lm_hits(argmax, batch.input_ids, num_steps or EVAL_NUM_DRAFT)
         return loss, loss.detach()[None], correct[None], valid.sum().float()[None], hits, None
@@ -349,23 +366,15 @@ class Trainer:
         return path
 
     # --- training loop ------------------------------------------------------------------------------------
-    def _log(self, record: dict) -> None:
-        if self.rank == 0:
-            with open(self.out / "metrics.jsonl", "a") as f:
-                f.write(json.dumps(record) + "\n")
-
     def train(self) -> dict:
         """Run to ``total_steps``; returns the last logged metrics (with the held-out estimate when enabled)."""
         cfg = self.cfg
-        ga = cfg.grad_accum
-        k = cfg.ttt_steps if cfg.draft == "eagle3" else 1
         if "vocab_coverage" not in self.state:
             self.state["vocab_coverage"] = getattr(self, "vocab_coverage", None)
+        tracker = Tracker(self.out, cfg.report_to, cfg.to_dict(), self.rank, self.state["step"])
         bar = tqdm(total=self.total_steps, initial=self.state["step"], desc=f"train {cfg.draft}",
                    disable=not (cfg.progress and self.rank == 0), dynamic_ncols=True)
-        window = {"loss": 0.0, "micro": 0, "ce": torch.zeros(k, dtype=torch.float64),
-                  "correct": torch.zeros(k, dtype=torch.float64), "count": torch.zeros(k, dtype=torch.float64),
-                  "nonstall": torch.zeros(k, dtype=torch.float64), "tokens": 0, "train_s": 0.0}
+        window = MetricsWindow(cfg.ttt_steps if cfg.draft == "eagle3" else 1)
         start_elapsed, t_start = self.state["elapsed_s"], time.perf_counter()
         metrics = self.state.get("last_metrics") or {}
         self.engine.train()
@@ -376,57 +385,41 @@ class Trainer:
             loss, step_loss, correct, count, _, nonstall = self._forward(batch)
             self.engine.backward(loss)
             self.engine.step()
-            window["train_s"] += time.perf_counter() - t0
             self.state["micro_step"] += 1
-            window["loss"] += float(loss.detach())
-            window["micro"] += 1
-            window["ce"] += (step_loss.double() * count.double()).cpu()
-            window["correct"] += correct.double().cpu()
-            window["count"] += count.double().cpu()
-            if nonstall is not None:
-                window["nonstall"] += nonstall.double().cpu()
-            window["tokens"] += batch.num_tokens
-            if self.state["micro_step"] % ga:
+            window.add(loss, step_loss, correct, count, nonstall, batch.num_tokens, time.perf_counter() - t0)
+            if self.state["micro_step"] % cfg.grad_accum:
                 continue
             self.state["step"] += 1
             step = self.state["step"]
             bar.update(1)
             last = step == self.total_steps
             if step % cfg.log_every == 0 or last:
-                sums = all_reduce([window["loss"], window["micro"], window["tokens"], *window["ce"].tolist(),
-                                    *window["correct"].tolist(), *window["count"].tolist(),
-                                    *window["nonstall"].tolist()])
-                dt = float(all_reduce([window["train_s"]], dist.ReduceOp.MAX)[0])
-                ce, cor, cnt = sums[3:3 + k], sums[3 + k:3 + 2 * k], sums[3 + 2 * k:3 + 3 * k]
-                self.state["tokens"] += int(sums[2])
+                reduced = window.reduce(with_nonstall=cfg.saguaro_c is not None)
+                self.state["tokens"] += reduced.pop("num_tokens")
                 grad_norm = self.engine.get_global_grad_norm()
                 metrics = {
-                    "step": step, "epoch": round(self.state["micro_step"] / self.batches_per_epoch, 4),
-                    "loss": sums[0].item() / max(sums[1].item(), 1),
-                    "step_loss": (ce / cnt.clamp_min(1)).tolist(), "step_acc": (cor / cnt.clamp_min(1)).tolist(),
+                    "step": step, "epoch": round(self.state["micro_step"] / self.batches_per_epoch, 4), **reduced,
                     "lr": self.scheduler.get_last_lr()[0],
                     "grad_norm": float(grad_norm) if grad_norm is not None else None,
-                    "tokens": self.state["tokens"], "tokens_per_s": sums[2].item() / max(dt, 1e-9),  # compute time
+                    "tokens": self.state["tokens"],  # tokens_per_s: over compute time (not data or checkpoints)
                     "elapsed_s": start_elapsed + time.perf_counter() - t_start,
                 }
-                if cfg.saguaro_c is not None:
-                    metrics["step_nonstall"] = (sums[3 + 3 * k:] / cnt.clamp_min(1)).tolist()
-                self._log(metrics)
+                tracker.log(metrics)
                 self.state["last_metrics"] = metrics
                 bar.set_postfix(loss=f"{metrics['loss']:.3f}", acc0=f"{metrics['step_acc'][0]:.3f}",
                                 tok_s=f"{metrics['tokens_per_s']:.0f}")
-                window = {key: (v.zero_() if torch.is_tensor(v) else 0) for key, v in window.items()}
             if (cfg.eval_every and step % cfg.eval_every == 0) or last:
                 held = self.evaluate_heldout()
                 if held is not None:
                     held["step"] = step
-                    self._log(held)
+                    tracker.log(held)
                     self.state["last_heldout"] = held
                     bar.set_postfix(loss=f"{metrics.get('loss', math.nan):.3f}", tau=f"{held['heldout_tau']:.2f}")
             self.state["elapsed_s"] = start_elapsed + time.perf_counter() - t_start
             if step % cfg.save_every == 0 or last:
                 self.save_checkpoint()
         bar.close()
+        tracker.close()
         return dict(metrics, **(self.state.get("last_heldout") or {}))
 
 
@@ -434,7 +427,14 @@ def main(argv: list[str] | None = None) -> dict:
     """Parse ``--config`` and overrides, initialise distributed training, train."""
     cfg = parse_args(sys.argv[1:] if argv is None else argv)
     init_distributed()
-    return Trainer(cfg).train()
+    trainer = Trainer(cfg)
+    result = trainer.train()
+    if trainer.rank == 0 and "tokens_per_s" in result:  # the run's figure of merit, on one line
+        precision = f"autocast {trainer.autocast_dtype}" if trainer.autocast_dtype else cfg.dtype
+        tau = f", held-out tau {result['heldout_tau']:.3f}" if "heldout_tau" in result else ""
+        print(f"step {result['step']}: loss {result['loss']:.4f}, {result['tokens_per_s']:.0f} tokens/s "
+              f"({precision}, {trainer.world} rank(s), last log window){tau}")
+    return result
 
 
 if __name__ == "__main__":
