@@ -108,7 +108,7 @@ def main() -> None:
             else:
                 model = load_draft_model(str(ROOT / "drafts/smollm2-135m-draftlm"), target).to(dtype)
             fns = {name: round_fns(b, args.context, dtype) for name, b in backends(kind, model, 3).items()}
-            paths = list(fns)
+            paths, ratios = list(fns), {"fixed": [], "captured": []}
             for op in fns["dynamic"]:
                 times: dict[str, list[float]] = {p: [] for p in paths}
                 with torch.inference_mode():
@@ -119,8 +119,13 @@ def main() -> None:
                             if rep:  # the first round of each is a warm-up
                                 times[path].append(time.thread_time() - start)
                 med = {p: statistics.median(t) for p, t in times.items()}
+                for p in ratios:
+                    ratios[p].append(med[p] / med["dynamic"])
                 print(f"{dtype_name:9s} {kind:8s} {op:13s} {1e3 * med['dynamic']:10.2f} "
-                      f"{med['fixed'] / med['dynamic']:7.3f} {med['captured'] / med['dynamic']:8.3f}", flush=True)
+                      f"{ratios['fixed'][-1]:7.3f} {ratios['captured'][-1]:8.3f}", flush=True)
+            means = {p: statistics.geometric_mean(r) for p, r in ratios.items()}
+            print(f"{dtype_name:9s} {kind:8s} {'geomean':13s} {'':10s} {means['fixed']:7.3f} {means['captured']:8.3f}",
+                  flush=True)
 
 
 if __name__ == "__main__":

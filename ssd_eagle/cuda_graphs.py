@@ -2,14 +2,16 @@
 
 A CUDA graph replays a fixed sequence of kernels on fixed buffers, so every captured forward has fixed shapes:
 the batch is padded to a *bucket* (1, 2, 4, 8, ...), the tokens of each row to a fixed *width* (1 for a drafter
-step, K + 1 for a chain verification, 1 + tree budget for a tree), and the attended cache length to a power of
-two (the mask hides what a row may not see), so short sequences do not pay for the whole preallocated cache. Padding rows write into a dedicated scratch
-slot, padding tokens past a row's real tokens, where nothing live is stored. The inputs are copied into static
-buffers before each replay and the outputs read from static buffers after it (gpt-fast and vLLM do the same).
+step, K + 1 for a chain verification, 1 + tree budget for a tree), and the attended cache length to the next of a
+fixed set (powers of two from 128; the mask hides what a row may not see), so short sequences do not pay for the
+whole preallocated cache. Padding rows write into a dedicated scratch slot, padding tokens past a row's real
+tokens, where nothing live is stored. The inputs are copied into static buffers before each replay and the outputs
+read from static buffers after it (gpt-fast and vLLM do the same).
 
-On CUDA each (bucket, width) is captured once, lazily, and replayed; elsewhere, or with ``enabled=False``
-(``--eager``), the very same fixed-shape code runs eagerly, which is how the CPU tests check it: the fixed-shape
-forward must equal the dynamic one. Prefill is never captured (its shapes vary).
+On CUDA each shape is captured once, lazily, and replayed; elsewhere, or with ``enabled=False``, the very same
+fixed-shape code runs eagerly, which is how the CPU tests check it: the fixed-shape forward must equal the dynamic
+one. The shape sets are fixed at start-up (:func:`shape_sets`: the captured ones, or the CPU's, where padding is
+real work). Prefill is never captured (its shapes vary).
 """
 
 from __future__ import annotations

@@ -11,14 +11,16 @@ three operations, all of them stateless about sequences (the callers keep the bo
 
 Both run through ``forward(batch, features)``, the only place a draft model is called while drafting, and the
 place where fixed shapes and CUDA graphs come in (:meth:`DraftBackend.use_fixed_shapes`, on by default on every
-device): a :class:`~ssd_eagle.cuda_graphs.StaticForward` pads the rows to a bucket (padding rows write into the
-cache's last slot, a scratch slot no sequence uses) and the attended cache length to the next of a fixed set
-(powers of two when capturing, steps of 16 when eager), keeps every width exactly (the steps' widths are fixed by
-the settings: 1 per chain token, topk per tree level, the fan-out budget for the speculator's branches; an
+device): a :class:`~ssd_eagle.cuda_graphs.StaticForward` copies the batch into static buffers of a fixed shape,
+its rows padded to the next row bucket (padding rows write into the cache's last slot, a scratch slot no sequence
+uses) and its attended cache length to the next fixed length, keeps every width exactly (the steps' widths are
+fixed by the settings: 1 per chain token, topk per tree level, the fan-out budget for the speculator's branches; an
 ``extend`` or a proposal forward gets one shape per width it has, at most K + 1 plus the tree budget), computes
-logits only where asked, and on CUDA captures each shape once, lazily, and replays it; elsewhere the same code runs
-eagerly (how the CPU tests check it). More rows than the largest bucket run dynamically; prefill never runs
-through it (its shapes vary without bound). ``fixed_shapes=False`` (``--eager``) keeps every forward dynamic.
+logits only where asked, and on CUDA captures each shape once, lazily, and replays it. Elsewhere the same code runs
+eagerly, with the CPU's shape sets (every row count, cache lengths in steps of 16:
+:func:`~ssd_eagle.cuda_graphs.shape_sets`), since padding there is real work that buys nothing; the CPU tests pass
+the captured sets to check the padding itself. More rows than the largest bucket run dynamically; prefill never
+runs through it (its shapes vary without bound). ``fixed_shapes=False`` (``--eager``) keeps every forward dynamic.
 
 Position convention. Token position t is the t-th token of a sequence (0-based). A causal draft LM stores token t
 at cache position t (``offset = 0``). An EAGLE-3 head stores the pair ``(f_{t-1}, x_t)`` at cache position
