@@ -64,7 +64,7 @@ if step preflight 120 "$PY" -c "$PREFLIGHT" "$DEVICE"; then
     if [[ $DEVICE == cuda ]]; then
         step e2e 300 "$PY" tests/gpu/e2e.py --device cuda:0 --tokens 128
     else
-        step e2e 300 "$PY" tests/gpu/e2e.py --device cpu --tokens 8 --layers 2 --greedy-tokens 6 --greedy-layers 2
+        step e2e 900 "$PY" tests/gpu/e2e.py --device cpu --tokens 8 --layers 2 --greedy-tokens 4 --greedy-layers 2
     fi
 fi
 

@@ -24,6 +24,7 @@ from ssd_eagle.kv_cache import ForwardBatch, KVCache
 
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32)
 EAGER_KV_STEP = 16  # eager fixed shapes: attended cache lengths in steps of 16 (at most 15 padding columns)
+EAGER_BUFFERS = 32  # eager fixed shapes: static buffer sets kept (least recently used dropped first)
 
 
 def cache_lengths(max_len: int, step: int | None) -> tuple[int, ...]:
@@ -125,6 +126,12 @@ class StaticForward:
         return {name: t.clone() for name, t in sliced.items()} if self.copy_outputs else sliced
 
     def _static_inputs(self, key: tuple[int, int, int, int]) -> dict[str, torch.Tensor]:
+        """The buffers of ``key``. A graph keeps its buffers for good (their addresses are baked in); eager runs
+        keep the ``EAGER_BUFFERS`` most recently used sets (their fine shape sets would otherwise pile up)."""
+        if not self.use_graphs and key in self._buffers:
+            self._buffers[key] = self._buffers.pop(key)  # most recently used last
+        if not self.use_graphs and key not in self._buffers and len(self._buffers) >= EAGER_BUFFERS:
+            self._buffers.pop(next(iter(self._buffers)))
         if key not in self._buffers:
             B, W, L, m = key
             long = dict(dtype=torch.long, device=self.device)

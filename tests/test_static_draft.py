@@ -11,7 +11,7 @@ import torch
 
 from helpers import eagle3_head_for, make_tiny_llama, noisy_copy, random_prompts, reference_greedy
 from test_ssd_eagle3 import K, eagle_ssd_engine, target_aux
-from ssd_eagle.cuda_graphs import EAGER_KV_STEP, StaticForward, cache_lengths, shape_sets
+from ssd_eagle.cuda_graphs import EAGER_BUFFERS, EAGER_KV_STEP, StaticForward, cache_lengths, shape_sets
 from ssd_eagle.drafters.backends import DRAFT_MAX_ROWS, DraftLMBackend, Eagle3Backend
 from ssd_eagle.drafters.eagle3 import Eagle3Drafter
 from ssd_eagle.drafters.neural import draft_from_committed
@@ -20,6 +20,7 @@ from ssd_eagle.config import EngineConfig, SpeculativeConfig
 from ssd_eagle.engine.factory import build
 from ssd_eagle.engine.llm import LLM
 from ssd_eagle.engine.llm_engine import LLMEngine
+from ssd_eagle.kv_cache import ForwardBatch, KVCache
 from ssd_eagle.sampling_params import SamplingParams
 from ssd_eagle.ssd.speculator import Speculator, SpecRequest
 
@@ -247,11 +248,23 @@ def test_shape_sets_and_shape_for_on_a_hand_checked_table():
              (1, 1, 299): (1, 1, 300), (1, 1, 300): None, (5, 1, 10): None}
     for args, expected in table.items():
         assert static.shape_for(*args) == expected, args
-    eager = StaticForward(None, kv, 0, torch.float32, "cpu", *shape_sets(False, 4, 300)[:1], widths=None,
-                          kv_lengths=shape_sets(False, 4, 300)[1])
+    rows, lengths = shape_sets(False, 4, 300)
+    eager = StaticForward(None, kv, 0, torch.float32, "cpu", rows, widths=None, kv_lengths=lengths)
     assert [eager.shape_for(3, 1, 20), eager.shape_for(4, 5, 27), eager.shape_for(1, 1, 299)] == \
         [(3, 1, 32), (4, 5, 32), (1, 1, 300)]
     with pytest.raises(ValueError, match="step"):
         cache_lengths(100, 0)
     with pytest.raises(ValueError, match="max_len"):
         StaticForward(None, kv, 0, torch.float32, "cpu", kv_lengths=(128, 256))
+
+
+def test_eager_fixed_shapes_keep_a_bounded_set_of_buffers():
+    """Eager runs (CPU sets: a new shape every 16 cached tokens) keep only the most recently used buffer sets."""
+    kv = KVCache(1, 2, 1, 4, 2048, torch.float64, "cpu")
+    rows, lengths = shape_sets(False, 4, 2048)
+    static = StaticForward(lambda batch: {"logits": batch.input_ids[..., None].double()}, kv, 1, torch.float64,
+                           "cpu", rows, widths=None, kv_lengths=lengths)
+    for start in range(0, 1600, 16):  # 100 cache lengths
+        static(ForwardBatch.causal([[3]], [0], [start], torch.float64, "cpu"))
+    assert len(static._buffers) == EAGER_BUFFERS
+    assert next(reversed(static._buffers)) == (1, 1, 1600, 0), "the latest shape is kept"
