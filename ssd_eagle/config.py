@@ -189,7 +189,8 @@ class EngineConfig(ConfigModel):
     draft_threads: int = Field(1, description="torch threads of the SSD speculator process")
     pin_cpus: bool = Field(True, description="SSD with both on CPU: pin the verifier and the speculator to "
                            "disjoint halves of the cores (how the CPU benchmark stands in for separate hardware)")
-    eager: bool = Field(False, description="on GPU: never capture CUDA graphs (CPU always runs eagerly)")
+    eager: bool = Field(False, description="every decode forward in dynamic shapes: no CUDA graphs on GPU, and "
+                        "the draft's steps off the fixed-shape path (padded rows and cache lengths) on every device")
     compile: bool = Field(False, description="torch.compile the target's decoder body (faster steps; about a "
                           "minute of compilation per input shape)")
     max_num_batched_tokens: int = Field(512, ge=1, description="tokens one engine step forwards: the running "

@@ -10,15 +10,17 @@ three operations, all of them stateless about sequences (the callers keep the bo
   positions and visibility (tree levels, the speculator's branches).
 
 Both run through ``forward(batch, features)``, the only place a draft model is called while drafting, and the
-place where fixed shapes and CUDA graphs come in (:meth:`DraftBackend.use_fixed_shapes`): a
-:class:`~ssd_eagle.cuda_graphs.StaticForward` pads the rows to a bucket (padding rows write into the cache's last
-slot, a scratch slot no sequence uses) and the cache length to a power of two, keeps every width exactly (the
-steps' widths are fixed by the settings: 1 per chain token, topk per tree level, the fan-out budget for the
-speculator's branches; an ``extend`` or a proposal forward gets one shape per width it has, at most K + 1 plus
-the tree budget), and on CUDA captures each shape once, lazily, and replays it. More rows than the largest bucket
-run dynamically; prefill never runs through it (its shapes vary without bound). Backends turn this
-on by themselves on CUDA (``fixed_shapes=None``); ``False`` (``--eager``) keeps the dynamic path, ``True`` forces
-the fixed-shape path on any device (eager off CUDA: how the CPU tests check it).
+place where fixed shapes and CUDA graphs come in (:meth:`DraftBackend.use_fixed_shapes`, on by default on every
+device): a :class:`~ssd_eagle.cuda_graphs.StaticForward` copies the batch into static buffers of a fixed shape,
+its rows padded to the next row bucket (padding rows write into the cache's last slot, a scratch slot no sequence
+uses) and its attended cache length to the next fixed length, keeps every width exactly (the steps' widths are
+fixed by the settings: 1 per chain token, topk per tree level, the fan-out budget for the speculator's branches; an
+``extend`` or a proposal forward gets one shape per width it has, at most K + 1 plus the tree budget), computes
+logits only where asked, and on CUDA captures each shape once, lazily, and replays it. Elsewhere the same code runs
+eagerly, with the CPU's shape sets (every row count, cache lengths in steps of 16:
+:func:`~ssd_eagle.cuda_graphs.shape_sets`), since padding there is real work that buys nothing; the CPU tests pass
+the captured sets to check the padding itself. More rows than the largest bucket run dynamically; prefill never
+runs through it (its shapes vary without bound). ``fixed_shapes=False`` (``--eager``) keeps every forward dynamic.
 
 Position convention. Token position t is the t-th token of a sequence (0-based). A causal draft LM stores token t
 at cache position t (``offset = 0``). An EAGLE-3 head stores the pair ``(f_{t-1}, x_t)`` at cache position
@@ -41,12 +43,12 @@ from typing import Callable
 
 import torch
 
-from ssd_eagle.cuda_graphs import StaticForward
+from ssd_eagle.cuda_graphs import StaticForward, shape_sets
 from ssd_eagle.kv_cache import ForwardBatch, KVCache
 from ssd_eagle.model_runner import ModelRunner
 
 DraftOut = tuple[torch.Tensor, "torch.Tensor | None"]  # (logits, outputs); see the module docstring
-DRAFT_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)  # rows: sequences (chains) or branches (the speculator's trees)
+DRAFT_MAX_ROWS = 256  # most rows in fixed shapes: sequences (chains) or branches (the speculator's trees)
 
 
 class DraftBackend(ABC):
@@ -91,31 +93,31 @@ class DraftBackend(ABC):
         self.forwards += 1
         out = None
         if self.static is not None:
-            out = self.static(batch, **({"features": features} if self.needs_aux else {}))
+            out = self.static(batch, logits_index, **({"features": features} if self.needs_aux else {}))
         if out is None:
             return self.run(batch, features, logits_index)
-        logits = out["logits"]
-        if logits_index is not None:
-            logits = logits.gather(1, logits_index[..., None].expand(-1, -1, logits.shape[-1]))
-        return logits, out.get("outputs")
+        return out["logits"], out.get("outputs")
 
-    def use_fixed_shapes(self, enabled: bool | None = None, buckets: tuple[int, ...] = DRAFT_BUCKETS) -> None:
-        """Run the draft's forwards in fixed shapes (module docstring): ``True`` on any device (CUDA graphs on
-        CUDA), ``None`` only on CUDA, ``False`` never."""
-        if enabled is None:
-            enabled = self.device.type == "cuda"
+    def use_fixed_shapes(self, enabled: bool = True, buckets: tuple[int, ...] | None = None,
+                         kv_lengths: tuple[int, ...] | None = None) -> None:
+        """Run the draft's forwards in fixed shapes (module docstring; CUDA graphs on CUDA), or dynamically
+        (``enabled=False``: ``--eager``). ``buckets`` (row counts) and ``kv_lengths`` (attended cache lengths) as
+        in :class:`~ssd_eagle.cuda_graphs.StaticForward`; None: the device's sets,
+        :func:`~ssd_eagle.cuda_graphs.shape_sets` (up to ``DRAFT_MAX_ROWS`` rows)."""
         if not enabled:
             self.static = None
             return
+        rows, lengths = shape_sets(self.device.type == "cuda", DRAFT_MAX_ROWS, self.kv.max_len)
         extra = {"features": ((self.hidden_size,), self.dtype)} if self.needs_aux else None
 
-        def fn(batch: ForwardBatch, **features: torch.Tensor) -> dict[str, torch.Tensor]:
-            logits, outputs = self.run(batch, features.get("features"))
+        def fn(batch: ForwardBatch, features: torch.Tensor | None = None,
+               logits_index: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+            logits, outputs = self.run(batch, features, logits_index)
             return {"logits": logits} if outputs is None else {"logits": logits, "outputs": outputs}
 
         self.static = StaticForward(fn, self.kv, scratch_slot=self.kv.num_slots - 1, dtype=self.dtype,
-                                    device=self.device, buckets=buckets, widths=None, extra_shapes=extra,
-                                    copy_outputs=True)
+                                    device=self.device, buckets=buckets or rows, widths=None, extra_shapes=extra,
+                                    copy_outputs=True, kv_lengths=kv_lengths or lengths)
 
     def fuse(self, aux: torch.Tensor) -> torch.Tensor:
         """Target aux states [m, 3 * H_target] -> draft features [m, H] (EAGLE-3 only)."""
@@ -173,7 +175,7 @@ class DraftLMBackend(DraftBackend):
     """A transformers causal LM with the target's vocabulary (classic SD's draft model); ``num_slots`` sequence
     slots (plus the scratch slot), ``fixed_shapes`` as in :meth:`DraftBackend.use_fixed_shapes`."""
 
-    def __init__(self, model, num_slots: int, max_len: int, fixed_shapes: bool | None = None):
+    def __init__(self, model, num_slots: int, max_len: int, fixed_shapes: bool = True):
         self.runner = ModelRunner(model, num_slots + 1, max_len)
         self.kv = self.runner.kv
         self.dtype, self.device = self.runner.dtype, self.runner.device
@@ -198,7 +200,7 @@ class Eagle3Backend(DraftBackend):
     offset = 1
     needs_aux = True
 
-    def __init__(self, head, num_slots: int, max_len: int, fixed_shapes: bool | None = None):
+    def __init__(self, head, num_slots: int, max_len: int, fixed_shapes: bool = True):
         self.head = head.eval()
         cfg = head.config
         param = head.lm_head.weight

@@ -23,11 +23,13 @@ def sample_draft_tokens(logits: torch.Tensor, seqs: list, position: int,
     """Pick the next draft token of every row and report the q it was drawn from.
 
     Greedy rows take the argmax (q None: a point mass). Sampled rows draw from
-    ``saguaro_scale(logits_to_probs(logits), C, F_position)`` with the sequence's ``draft_generator``.
+    ``saguaro_scale(logits_to_probs(logits), C, F_position)`` with the sequence's ``draft_generator``. Padding
+    rows (``None``; e.g. the branches that fill a fixed-shape batch to the fan-out budget) take the argmax and
+    draw nothing, so what a sequence's generator yields never depends on the batch's shape.
 
     Args:
         logits: float [B, V_target] draft logits in the target's vocabulary (-inf outside a reduced vocabulary).
-        seqs: the B sequences (for sampling params and generators).
+        seqs: the B sequences (for sampling params and generators), None for a padding row.
         position: index of this draft token in the chain (selects F_k).
 
     Returns:
@@ -38,7 +40,7 @@ def sample_draft_tokens(logits: torch.Tensor, seqs: list, position: int,
 
     tokens = logits.argmax(dim=-1)
     qs: list[torch.Tensor | None] = [None] * len(seqs)
-    rows = [i for i, s in enumerate(seqs) if not s.params.greedy]
+    rows = [i for i, s in enumerate(seqs) if s is not None and not s.params.greedy]
     if rows:
         st = SamplingTensors.from_params([seqs[i].params for i in rows], logits.device)
         q = logits_to_probs(logits[rows], st)
@@ -62,7 +64,8 @@ def draft_chain(feed: FeedFn, logits: torch.Tensor, hidden: torch.Tensor | None,
             committed text: :meth:`~ssd_eagle.drafters.backends.DraftBackend.chain_feed`).
         logits: float [R, V_target], the draft's distribution of each chain's first token.
         hidden: float [R, H], the draft's output there (EAGLE-3), or None.
-        seqs: the R rows' sequences (``params``, ``draft_generator``).
+        seqs: the R rows' sequences (``params``, ``draft_generator``); None for a padding row (greedy, draws
+            nothing: see :func:`sample_draft_tokens`).
         budgets: tokens per chain, each >= 1.
         saguaro: Saguaro scaling of the sampled rows' q (None: plain sampling).
 

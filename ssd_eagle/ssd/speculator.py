@@ -384,8 +384,8 @@ class Speculator:
             return logits.reshape(B * F, -1), (out.reshape(B * F, -1) if out is not None else None)
 
         logits, hidden = feed(None, tokens, feats, -1)
-        chains = draft_chain(feed, logits, hidden, [seq for seq in seqs for _ in range(F)], [self.K] * (B * F),
-                             self.saguaro)
+        rows = [seq if i < len(row) else None for seq, row in zip(seqs, branches) for i in range(F)]  # None: pad
+        chains = draft_chain(feed, logits, hidden, rows, [self.K] * (B * F), self.saguaro)
         for r, (seq, row) in enumerate(zip(seqs, branches)):
             for i, br in enumerate(row):
                 seq.cache[br["key"]] = chains[r * F + i]

@@ -48,7 +48,7 @@ class SpeculatorSettings:
     tree_depth: int = 5
     tree_topk: int = 4
     fanout_power: float = 1.0
-    cuda_graphs: bool = True  # fixed-shape, CUDA-graph draft steps on CUDA (False: --eager)
+    cuda_graphs: bool = True  # fixed-shape draft steps (CUDA graphs on CUDA); False: --eager
 
 
 HEARTBEAT_INTERVAL = 0.5  # seconds between two heartbeats of the speculator process
@@ -69,10 +69,9 @@ def build_speculator(settings: SpeculatorSettings, draft):
     from ssd_eagle.ssd.speculator import Speculator
 
     if settings.kind == "eagle3":
-        backend = Eagle3Backend(draft, settings.num_slots, settings.max_len, None if settings.cuda_graphs else False)
+        backend = Eagle3Backend(draft, settings.num_slots, settings.max_len, settings.cuda_graphs)
     elif settings.kind == "draft_model":
-        backend = DraftLMBackend(draft, settings.num_slots, settings.max_len,
-                                 None if settings.cuda_graphs else False)
+        backend = DraftLMBackend(draft, settings.num_slots, settings.max_len, settings.cuda_graphs)
     else:
         raise ValueError(f"SSD needs a neural draft ('draft_model' or 'eagle3'), got {settings.kind!r}")
     from ssd_eagle.drafters.tree import TreeSettings
