@@ -167,3 +167,12 @@ def test_shipped_yaml_configs_parse(name):
         assert load_config(path).output_dir
     else:
         assert engine_config_from_args(serve_args(["--config", str(path)])).max_num_seqs == 8
+
+
+def test_cuda_and_cuda0_are_one_gpu_for_the_link():
+    """``device=cuda`` with ``draft_device=cuda:0`` is one GPU: the link must stay gloo (NCCL cannot pair a GPU
+    with itself); ``torch.device("cuda") != torch.device("cuda:0")`` said they differ."""
+    from ssd_eagle.engine.factory import cuda_index
+
+    assert cuda_index("cuda:0") == 0 and cuda_index("cuda:1") == 1
+    assert cuda_index("cuda") == cuda_index("cuda:0")

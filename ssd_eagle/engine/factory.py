@@ -122,11 +122,18 @@ class SpeculatorProcess(InProcess):
                 # as many threads as cores: OpenMP threads spinning for a busy core cost milliseconds per op
                 torch.set_num_threads(min(torch.get_num_threads(), len(verifier_cpus)))
         if config.draft_device.startswith("cuda") and config.device.startswith("cuda") and \
-                torch.device(config.draft_device) != torch.device(config.device):
+                cuda_index(config.draft_device) != cuda_index(config.device):
             settings.dist_backend = "nccl"
         spec = config.speculative_config
         return RemoteSpeculator(settings, draft, timeout=spec.speculator_timeout, cpus=verifier_cpus,
                                 verifier_device=config.device, heartbeat_timeout=spec.speculator_heartbeat_timeout)
+
+
+def cuda_index(device: str) -> int:
+    """The CUDA ordinal a device string names: ``"cuda"`` is the current device (``"cuda"`` and ``"cuda:0"`` are
+    one GPU, which NCCL cannot pair with itself)."""
+    index = torch.device(device).index
+    return torch.cuda.current_device() if index is None and torch.cuda.is_available() else (index or 0)
 
 
 def default_placement(config) -> InProcess:
