@@ -30,6 +30,8 @@ from pathlib import Path
 
 import torch
 
+from ssd_eagle.stats import SpecStats
+
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
 
 
@@ -205,6 +207,8 @@ class PlannerConfig:
         adaptive: False always drafts max_k (the cost model is not consulted).
         probe_every: while not speculating, a request drafts ``probe_k`` tokens every this many rounds.
         probe_k: length of a probe.
+        learn_costs: False takes the cost table as it is and drafting as free (no online correction of ``V``, no
+            learnt ``D(K)``): for a table made by hand (tests, what-if runs).
     """
 
     max_k: int
@@ -212,6 +216,7 @@ class PlannerConfig:
     adaptive: bool = True
     probe_every: int = 8
     probe_k: int = 2
+    learn_costs: bool = True
 
 
 class Planner:
@@ -244,6 +249,11 @@ class Planner:
 
     def choose(self, request_ids: list[str]) -> dict[str, int]:
         """Draft length per request for the next round (0 = plain decoding for that request)."""
+        return {r: k for r, (k, _) in self.decide(request_ids).items()}
+
+    def decide(self, request_ids: list[str]) -> dict[str, tuple[int, bool]]:
+        """``{request_id: (draft length, probe)}`` for the next round: the batch's K (0 = plain decoding), or for a
+        request whose speculation is off a ``probe_k`` probe every ``probe_every`` rounds (``probe`` True)."""
         cfg = self.config
         if not cfg.adaptive or cfg.max_k == 0 or not request_ids:
             k = cfg.max_k
@@ -257,10 +267,10 @@ class Planner:
                 idle = self.idle_rounds.get(r, 0) + 1
                 probe = idle >= cfg.probe_every
                 self.idle_rounds[r] = 0 if probe else idle
-                out[r] = min(cfg.probe_k, cfg.max_k) if probe else 0
+                out[r] = (min(cfg.probe_k, cfg.max_k), True) if probe else (0, False)
             else:
                 self.idle_rounds[r] = 0
-                out[r] = k
+                out[r] = (k, False)
         return out
 
     def observe(self, drafted: dict[str, tuple[int, int]], draft_seconds: float, verify_seconds: float,
@@ -277,6 +287,8 @@ class Planner:
         for r, (n, k) in drafted.items():
             self.acceptance.setdefault(r, Acceptance()).record(n, k)
             self.engine_wide.record(n, k)
+        if not self.config.learn_costs:
+            return
         longest = max(n for n, _ in drafted.values())
         if longest:
             self.draft_cost.update(longest, draft_seconds)
@@ -284,10 +296,15 @@ class Planner:
         if predicted > 0 and math.isfinite(verify_seconds):
             self.verify_scale = 0.9 * self.verify_scale + 0.1 * (verify_seconds / predicted)
 
-    def plan(self, seqs: list, budgets: list[int]) -> list[int]:
-        """The engine's hook before drafting: each sequence's draft budget cut to the planned length."""
-        ks = self.choose([s.request_id for s in seqs])
-        return [min(b, ks[s.request_id]) for s, b in zip(seqs, budgets)]
+    def plan(self, seqs: list, budgets: list[int], totals: SpecStats | None = None) -> list[int]:
+        """The engine's hook before drafting: each sequence's draft budget cut to the planned length. The decision
+        is recorded in every sequence's ``stats`` and in ``totals`` (the engine's aggregate), as
+        :meth:`SpecStats.record_plan <ssd_eagle.stats.SpecStats.record_plan>`."""
+        plan = self.decide([s.request_id for s in seqs])
+        for seq in seqs:
+            for stats in (seq.stats, totals) if totals is not None else (seq.stats,):
+                stats.record_plan(*plan[seq.request_id])
+        return [min(b, plan[s.request_id][0]) for s, b in zip(seqs, budgets)]
 
     def observe_round(self, seqs: list, proposals: list, paths: list[list[int]], draft_seconds: float,
                       verify_seconds: float) -> None:
@@ -308,14 +325,30 @@ class Planner:
 
 
 def planner_for(engine, spec) -> Planner | None:
-    """The planner of an engine built from a speculative config: SD chains on a single-device target whose
-    ``adaptive`` is on; K is the planner's to choose unless ``num_speculative_tokens`` was given explicitly.
-    Measures (or reads back) the verify cost table, so call it before any request is admitted."""
-    from ssd_eagle.model_runner import ModelRunner
+    """The planner of an engine built from a speculative config whose ``adaptive`` is on, for chains on a
+    single-device target (None otherwise: trees, a tensor-parallel target, ``adaptive: false``). Measures (or reads
+    back) the verify cost table, so call it before any request is admitted.
 
-    if not spec.adaptive or spec.tree_budget or getattr(engine.drafter, "mode", "sd") != "sd" \
-            or not isinstance(engine.target, ModelRunner):
+    SD: K in 0..K is the planner's to choose unless ``num_speculative_tokens`` was given explicitly (then only 0
+    or K). SSD: only whether to speculate (0 or K), for three reasons. The speculator's fan-out and its time
+    budget (:mod:`ssd_eagle.ssd.budget`) are sized for K, so a shorter cut wastes the branches built for it; the
+    verifier's cost of a round is its wait, which depends on the cache hit rate at that length, not on the
+    drafter's per-step time that the cost line ``d0 + d1 K`` models; and the round's ``draft_seconds`` (the wait)
+    is what the planner learns, which is right for the on/off decision: speculating pays when
+    ``E(K) / (V(K + 1) + wait) > 1 / V(1)``. While off, the speculator still commits every outcome (a budget of
+    0) and a probe's reply comes from its cache on a hit, so speculation resumes at no rebuild cost. An in-line
+    speculator (``speculator: local``, for tests and debugging: its builds run on the verifier's time) is not
+    planned, so that it runs exactly what its config says.
+    """
+    from ssd_eagle.model_runner import ModelRunner
+    from ssd_eagle.ssd.client import LocalSpeculator
+
+    mode = getattr(engine.drafter, "mode", "sd")
+    if not spec.adaptive or spec.tree_budget or mode not in ("sd", "ssd") or not isinstance(engine.target, ModelRunner):
+        return None
+    if isinstance(getattr(engine.drafter, "speculator", None), LocalSpeculator):
         return None
     k = spec.num_speculative_tokens
     costs = measure_verify_costs(engine.target, k + 1, engine.max_num_seqs)
-    return Planner(PlannerConfig(max_k=k, choose_k="num_speculative_tokens" not in spec.model_fields_set), costs)
+    choose_k = mode == "sd" and "num_speculative_tokens" not in spec.model_fields_set
+    return Planner(PlannerConfig(max_k=k, choose_k=choose_k), costs)
