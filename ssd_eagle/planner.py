@@ -10,7 +10,7 @@ tokens per row, where ``a_i`` is the probability that draft position i is accept
 (measured on the running request). The planner picks the K that maximises the batch's expected tokens per second
 ``sum_rows E_row(K) / T(K)``; K = 0 (plain decoding) competes on the same footing, so a drafter that does not pay
 is switched off. While off, a request *probes* (a short draft every ``probe_every`` rounds) so that speculation
-comes back when drafts start to pay.
+comes back when drafts start to pay. SSD engines are planned on or off only (see :func:`planner_for`).
 
 Costs: :func:`measure_verify_costs` times ``V(n, B)`` for n = 1..N new tokens per batch-size bucket in a few
 forwards at start-up; the table is cached on disk per (model, dtype, threads and CPU affinity, torch version, code
@@ -222,8 +222,10 @@ class PlannerConfig:
 class Planner:
     """Chooses each round's draft length from the cost table and the running requests' acceptance.
 
-    Call :meth:`choose` before drafting a round, :meth:`observe` after verifying it, :meth:`forget` when a request
-    ends. ``decisions`` counts the chosen K over rounds (reported in ``spec_stats`` and ``/metrics``).
+    Call :meth:`choose` (or :meth:`decide`) before drafting a round, :meth:`observe` after verifying it,
+    :meth:`forget` when a request ends; the engine calls :meth:`plan` and :meth:`observe_round`. ``decisions``
+    counts the batch's K over rounds; :meth:`plan` also records every request's draft length and probes in its
+    :class:`~ssd_eagle.stats.SpecStats` (the server's ``spec_stats``) and the engine's totals (``/metrics``).
     """
 
     def __init__(self, config: PlannerConfig, costs: CostTable):
