@@ -9,8 +9,8 @@ emits on average
 tokens per row, where ``a_i`` is the probability that draft position i is accepted given positions 1..i-1 were
 (measured on the running request). The planner picks the K that maximises the batch's expected tokens per second
 ``sum_rows E_row(K) / T(K)``; K = 0 (plain decoding) competes on the same footing, so a drafter that does not pay
-is switched off. While off, a request *probes* (a short draft every ``probe_every`` rounds) so that speculation
-comes back when drafts start to pay. SSD engines are planned on or off only (see :func:`planner_for`).
+is switched off. While off, a request *probes* (a short draft now and then, less often while probes fail) so that
+speculation comes back when drafts start to pay. SSD engines are planned on or off only (see :func:`planner_for`).
 
 Costs: :func:`measure_verify_costs` times ``V(n, B)`` for n = 1..N new tokens per batch-size bucket in a few
 forwards at start-up; the table is cached on disk per (model, dtype, threads and CPU affinity, torch version, code
@@ -205,7 +205,11 @@ class PlannerConfig:
         max_k: the longest chain considered (the engine's K).
         choose_k: pick K in 0..max_k (True) or only between 0 and max_k (an explicit K).
         adaptive: False always drafts max_k (the cost model is not consulted).
-        probe_every: while not speculating, a request drafts ``probe_k`` tokens every this many rounds.
+        probe_every: while not speculating, a request drafts ``probe_k`` tokens after this many rounds; every probe
+            that leaves speculation off doubles the interval, up to ``max_probe_every`` rounds (a probe costs a
+            draft and a wider verification, paid in full while the drafter stays useless); it starts again from
+            ``probe_every`` once the request speculates.
+        max_probe_every: the longest interval between probes.
         probe_k: length of a probe.
         learn_costs: False takes the cost table as it is and drafting as free (no online correction of ``V``, no
             learnt ``D(K)``): for a table made by hand (tests, what-if runs).
@@ -215,6 +219,7 @@ class PlannerConfig:
     choose_k: bool = True
     adaptive: bool = True
     probe_every: int = 8
+    max_probe_every: int = 64
     probe_k: int = 2
     learn_costs: bool = True
 
@@ -236,6 +241,7 @@ class Planner:
         self.acceptance: dict[str, Acceptance] = {}
         self.engine_wide = Acceptance(decay=0.98)
         self.idle_rounds: dict[str, int] = {}
+        self.probe_interval: dict[str, int] = {}
         self.decisions: dict[int, int] = {}
 
     def round_time(self, k: int, batch: int) -> float:
@@ -255,7 +261,8 @@ class Planner:
 
     def decide(self, request_ids: list[str]) -> dict[str, tuple[int, bool]]:
         """``{request_id: (draft length, probe)}`` for the next round: the batch's K (0 = plain decoding), or for a
-        request whose speculation is off a ``probe_k`` probe every ``probe_every`` rounds (``probe`` True)."""
+        request whose speculation is off a ``probe_k`` probe now and then (``probe`` True; see
+        :class:`PlannerConfig`)."""
         cfg = self.config
         if not cfg.adaptive or cfg.max_k == 0 or not request_ids:
             k = cfg.max_k
@@ -266,12 +273,16 @@ class Planner:
         out = {}
         for r in request_ids:
             if k == 0 and cfg.adaptive:
+                interval = self.probe_interval.get(r, cfg.probe_every)
                 idle = self.idle_rounds.get(r, 0) + 1
-                probe = idle >= cfg.probe_every
+                probe = idle >= interval
+                if probe:
+                    self.probe_interval[r] = min(2 * interval, max(cfg.max_probe_every, cfg.probe_every))
                 self.idle_rounds[r] = 0 if probe else idle
                 out[r] = (min(cfg.probe_k, cfg.max_k), True) if probe else (0, False)
             else:
                 self.idle_rounds[r] = 0
+                self.probe_interval.pop(r, None)
                 out[r] = (k, False)
         return out
 
@@ -319,6 +330,7 @@ class Planner:
     def forget(self, request_id: str) -> None:
         self.acceptance.pop(request_id, None)
         self.idle_rounds.pop(request_id, None)
+        self.probe_interval.pop(request_id, None)
 
     def summary(self) -> dict:
         """JSON-ready planner state: rounds per chosen K and the engine-wide acceptance per position."""
