@@ -4,6 +4,7 @@ chunk), over all requests in ``/metrics`` (see :mod:`inference.metrics`)."""
 from __future__ import annotations
 
 from fastapi.testclient import TestClient
+from prometheus_client.parser import text_string_to_metric_families
 
 from _server_helpers import make_engine, parse_sse
 from inference.api_server import build_app
@@ -13,11 +14,11 @@ K = 3  # the test engine's draft length (n-gram drafting on a target whose greed
 
 
 def _metric(text: str, name: str, **labels) -> float:
-    want = "{" + ",".join(f'{k}="{v}"' for k, v in labels.items()) + "}" if labels else ""
-    for line in text.splitlines():
-        if line.startswith(name + want + " "):
-            return float(line.rsplit(" ", 1)[1])
-    raise AssertionError(f"{name}{want} not in /metrics")
+    """One sample of a Prometheus text exposition, read with prometheus_client's own parser."""
+    found = [s.value for family in text_string_to_metric_families(text) for s in family.samples
+             if s.name == name and s.labels == labels]
+    assert len(found) == 1, f"{name}{labels} not in /metrics"
+    return found[0]
 
 
 def planned_engine(verify: list[float]):
