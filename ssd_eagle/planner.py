@@ -209,7 +209,11 @@ class PlannerConfig:
             that leaves speculation off doubles the interval, up to ``max_probe_every`` rounds (a probe costs a
             draft and a wider verification, paid in full while the drafter stays useless); it starts again from
             ``probe_every`` once the request speculates.
-        max_probe_every: the longest interval between probes.
+        max_probe_every: the longest interval between probes (unless ``probe_overhead`` asks for more).
+        probe_overhead: probes are spaced so that they cost at most this fraction of plain decoding's time: at
+            least ``(T(probe_k) - T(0)) / (probe_overhead * T(0))`` rounds apart, from the measured costs (in
+            float32 on a 2-core EPYC a useless draft LM's probe cost ~1.4 plain rounds: ~0.7 its drafting, catch-up
+            forward included, ~0.7 the wider verification).
         probe_k: length of a probe.
         learn_costs: False takes the cost table as it is and drafting as free (no online correction of ``V``, no
             learnt ``D(K)``): for a table made by hand (tests, what-if runs).
@@ -220,6 +224,7 @@ class PlannerConfig:
     adaptive: bool = True
     probe_every: int = 8
     max_probe_every: int = 64
+    probe_overhead: float = 0.02
     probe_k: int = 2
     learn_costs: bool = True
 
@@ -273,11 +278,11 @@ class Planner:
         out = {}
         for r in request_ids:
             if k == 0 and cfg.adaptive:
-                interval = self.probe_interval.get(r, cfg.probe_every)
+                backoff = self.probe_interval.get(r, cfg.probe_every)
                 idle = self.idle_rounds.get(r, 0) + 1
-                probe = idle >= interval
+                probe = idle >= max(backoff, self.probe_spacing(len(request_ids)))
                 if probe:
-                    self.probe_interval[r] = min(2 * interval, max(cfg.max_probe_every, cfg.probe_every))
+                    self.probe_interval[r] = min(2 * backoff, max(cfg.max_probe_every, cfg.probe_every))
                 self.idle_rounds[r] = 0 if probe else idle
                 out[r] = (min(cfg.probe_k, cfg.max_k), True) if probe else (0, False)
             else:
@@ -285,6 +290,13 @@ class Planner:
                 self.probe_interval.pop(r, None)
                 out[r] = (k, False)
         return out
+
+    def probe_spacing(self, batch: int) -> int:
+        """Fewest rounds between a request's probes for them to cost at most ``probe_overhead`` of the time of
+        plain decoding (from the cost table and the learnt drafting cost)."""
+        plain = self.round_time(0, batch)
+        extra = self.round_time(min(self.config.probe_k, self.config.max_k), batch) - plain
+        return max(1, math.ceil(extra / (self.config.probe_overhead * plain) - 1e-9)) if plain > 0 else 1
 
     def observe(self, drafted: dict[str, tuple[int, int]], draft_seconds: float, verify_seconds: float,
                 width: int) -> None:

@@ -83,7 +83,9 @@ def test_a_drafter_that_never_matches_ends_in_plain_decoding_and_a_probe_brings_
 
 
 def test_failed_probes_back_off_and_speculating_resets_the_interval():
-    planner = Planner(PlannerConfig(max_k=4, probe_every=2, max_probe_every=8), CostTable({1: [1.0, 3.0, 5.0]}))
+    # probes nearly free (spaced by the backoff alone)
+    planner = planner_with([1.0, 1.001, 1.002, 1.003, 1.004], rate=0.0, max_k=4, probe_every=2, max_probe_every=8)
+    assert planner.probe_spacing(1) == 1
     probes = [i for i in range(40) if planner.decide(["r"])["r"][1]]
     assert probes == [1, 5, 13, 21, 29, 37]  # after 2, 4, 8, 8 ... idle rounds
     planner.probe_interval["r"], planner.idle_rounds["r"] = 8, 3
@@ -93,6 +95,18 @@ def test_failed_probes_back_off_and_speculating_resets_the_interval():
     assert [planner.decide(["r"])["r"][1] for _ in range(2)] == [False, True]
     planner.forget("r")
     assert "r" not in planner.probe_interval and "r" not in planner.idle_rounds
+
+
+def test_probes_are_spaced_to_cost_at_most_probe_overhead():
+    # a 2-token probe verifies 3 tokens: 0.6 s more than a plain round of 1 s; at 2% that is one probe in 30 rounds
+    planner = planner_with([1.0, 1.3, 1.6, 1.9, 2.2], rate=0.0, max_k=4, probe_every=4)
+    assert planner.probe_spacing(1) == 30
+    probes = [i for i in range(100) if planner.decide(["r"])["r"][1]]
+    assert probes == [29, 59, 89]
+    planner.draft_cost.update(2, 0.4)  # drafting the probe costs 0.4 s more
+    assert planner.probe_spacing(1) == 50
+    planner.config.probe_overhead = 1.0
+    assert planner.probe_spacing(1) == 1
 
 
 def test_online_line_recovers_a_line_and_handles_one_point():
@@ -170,7 +184,8 @@ def test_engine_with_planner_stops_drafting_a_useless_drafter_probes_and_comes_b
     target = make_tiny_llama(seed=3)
     drafter = WrongDrafter(target)
     engine = LLMEngine(target, byte_tokenizer, drafter, num_speculative_tokens=4, max_num_seqs=1, max_model_len=512)
-    engine.planner = Planner(PlannerConfig(max_k=4, probe_every=4), CostTable({1: [1.0, 1.3, 1.6, 1.9, 2.2]}))
+    engine.planner = Planner(PlannerConfig(max_k=4, probe_every=4, probe_overhead=1.0),  # probes as the backoff allows
+                             CostTable({1: [1.0, 1.3, 1.6, 1.9, 2.2]}))
     llm = LLM(engine=engine)
     prompt = random_prompts(3, seed=5)[2]
     out = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=60))[0]
@@ -286,8 +301,8 @@ def test_with_each_drafter_a_useless_one_ends_in_plain_decoding_and_a_good_one_c
     engine = LLMEngine(target, byte_tokenizer, drafter, num_speculative_tokens=CYCLE_K, max_num_seqs=1,
                        max_model_len=256)
     choose_k = kind != "ssd"  # SSD: on or off only (ssd_eagle.planner.planner_for)
-    engine.planner = Planner(PlannerConfig(max_k=CYCLE_K, choose_k=choose_k, probe_every=4, learn_costs=False),
-                             CHEAP_VERIFY)
+    engine.planner = Planner(PlannerConfig(max_k=CYCLE_K, choose_k=choose_k, probe_every=4, learn_costs=False,
+                                           probe_overhead=1.0), CHEAP_VERIFY)  # probes as often as the backoff allows
     llm = LLM(engine=engine)
     prompt = list(b"Hey \xc3\xa9")
     params = SamplingParams(temperature=0.0, max_tokens=60)

@@ -23,12 +23,13 @@ def _metric(text: str, name: str, **labels) -> float:
 
 def planned_engine(verify: list[float]):
     engine = make_engine()
-    engine.planner = Planner(PlannerConfig(max_k=K, probe_every=4, learn_costs=False), CostTable({1: verify}))
+    engine.planner = Planner(PlannerConfig(max_k=K, probe_every=4, learn_costs=False, probe_overhead=1.0),
+                             CostTable({1: verify}))  # probing as often as the backoff allows
     return engine
 
 
 def test_spec_stats_and_metrics_count_rounds_without_speculation_and_probes():
-    """A verification that costs its width in full: the planner never speculates, a probe every 4 rounds."""
+    """A verification that costs its width in full: the planner never speculates; it probes after 4, 8, 16 rounds."""
     with TestClient(build_app(planned_engine([1.0, 3.0, 5.0, 7.0]), "tiny")) as client:
         stats = client.post("/v1/completions", json={"prompt": "Hey", "max_tokens": 30,
                                                      "temperature": 0}).json()["spec_stats"]
