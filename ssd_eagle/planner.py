@@ -276,11 +276,12 @@ class Planner:
             k = max(candidates, key=lambda c: (self.rate(c, request_ids), -c))
         self.decisions[k] = self.decisions.get(k, 0) + 1
         out = {}
+        spacing = self.probe_spacing(len(request_ids)) if k == 0 and cfg.adaptive else 1
         for r in request_ids:
             if k == 0 and cfg.adaptive:
                 backoff = self.probe_interval.get(r, cfg.probe_every)
                 idle = self.idle_rounds.get(r, 0) + 1
-                probe = idle >= max(backoff, self.probe_spacing(len(request_ids)))
+                probe = idle >= max(backoff, spacing)
                 if probe:
                     self.probe_interval[r] = min(2 * backoff, max(cfg.max_probe_every, cfg.probe_every))
                 self.idle_rounds[r] = 0 if probe else idle
