@@ -13,6 +13,10 @@ requests.
   ``spec_emitted_tokens_total`` (counters): their rate ratios give tau and the acceptance rate over any window.
 - ``spec_tau``, ``spec_acceptance_rate``, ``spec_cache_hit_rate`` (gauges): since start (hit rate NaN when the
   drafter does no cache lookups).
+- ``spec_planned_draft_length`` (histogram, integer buckets): the draft length the planner (:mod:`ssd_eagle.planner`)
+  gave each request's round, 0 (plain decoding) included; ``spec_rounds_without_speculation_total`` and
+  ``spec_probes_total`` (counters): request rounds planned at 0, and the probes of requests whose speculation was off.
+  All three stay at 0 without a planner.
 - ``queue_depth`` (gauge): requests accepted but not yet decoding; ``running_requests`` (gauge): decoding.
 - ``kv_cache_usage_bytes`` (gauge): bytes the target's KV store and the prefix cache hold, after the latest step;
   ``kv_cache_budget_bytes`` (gauge): the ``kv_cache_memory`` budget (NaN: unbounded).
@@ -35,6 +39,7 @@ from ssd_eagle.stats import SpecStats
 
 PREFIX = "ssd_eagle_"
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0)
+_DRAFT_LENGTH_BUCKETS = tuple(range(9)) + (12, 16, 24, 32)
 _TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 
 
@@ -86,6 +91,12 @@ class ServerMetrics:
         self.cache_hit_rate = Gauge(p + "spec_cache_hit_rate", "Speculation cache hit rate since start (NaN: none)",
                                     registry=r)
         self.cache_hit_rate.set(math.nan)
+        self.planned_k = Histogram(p + "spec_planned_draft_length", "Draft length the planner gave a request's round "
+                                   "(0: plain decoding)", buckets=_DRAFT_LENGTH_BUCKETS, registry=r)
+        self.rounds_without_speculation = Counter(p + "spec_rounds_without_speculation",
+                                                  "Request rounds the planner ran without drafting", registry=r)
+        self.probes = Counter(p + "spec_probes", "Probes of requests whose speculation the planner had switched off",
+                              registry=r)
         self.queue_depth = Gauge(p + "queue_depth", "Requests accepted but not yet decoding", registry=r)
         self.running = Gauge(p + "running_requests", "Requests being decoded", registry=r)
         self.drafter_healthy = Gauge(p + "drafter_healthy", "1 while the drafter is healthy, else 0", registry=r)
@@ -122,6 +133,16 @@ class ServerMetrics:
             if delta > 0:
                 counter.inc(delta)
                 setattr(seen, name, total)
+        for k, total in engine_stats.planned_k.items():
+            delta = total - seen.planned_k.get(k, 0)
+            for _ in range(delta):
+                self.planned_k.observe(k)
+            if k == 0 and delta > 0:
+                self.rounds_without_speculation.inc(delta)
+            seen.planned_k[k] = total
+        if engine_stats.num_probes > seen.num_probes:
+            self.probes.inc(engine_stats.num_probes - seen.num_probes)
+            seen.num_probes = engine_stats.num_probes
         self.tau.set(engine_stats.tau)
         self.acceptance_rate.set(engine_stats.acceptance_rate)
         hit_rate = engine_stats.cache_hit_rate

@@ -4,7 +4,8 @@ client leaves, and the OpenAI response and chunk shapes of the two completion en
 A request is queued on the :class:`~inference.async_engine.AsyncEngine`; a non-streamed one waits for its final
 output while watching for a disconnect (then it is aborted, status 499 logged), a streamed one yields ``data:``
 events and ``data: [DONE]`` (an engine failure sends an ``error`` event first). Each request ends with its metrics
-recorded and one ``request finished`` log record (latency, time to first token, tau, cache hit rate).
+recorded and one ``request finished`` log record (latency, time to first token, tau, cache hit rate, and with a
+planner the rounds without speculation and the probes).
 """
 
 from __future__ import annotations
@@ -59,6 +60,8 @@ class Tracker:
                   "ttft_s": None if ttft is None else round(ttft, 4)}
         if self.stats:
             fields.update(tau=self.stats.get("tau"), cache_hit_rate=self.stats.get("cache_hit_rate"))
+            if "planned_rounds_per_k" in self.stats:  # the planner's decisions (ssd_eagle.stats.SpecStats.summary)
+                fields.update({key: self.stats[key] for key in ("rounds_without_speculation", "probes")})
         log.info("request finished", extra={"fields": fields})
 
 

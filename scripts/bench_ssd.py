@@ -6,20 +6,26 @@ speculator on core 1, one thread each. Same held-out prompts (MT-Bench and Human
 for T = 0, 0.5, 1.0. Per configuration and temperature it prints tokens/s, tau, the cache hit rate, the ratio to
 AR and to SD, and for SD the measured verify time V and drafting time D per round, whose ``(V + D) / V`` caps what
 SSD can gain over that SD, and for SSD the bound ``tau x T1 / V(K+1)`` (T1: AR's one-token step, V(K+1): the SSD
-run's verification of K + 1 tokens) on its speedup over AR. At T = 0 it applies the near-tie rule of
-:mod:`ssd_eagle.exactness` to every configuration against AR in the same dtype: every emitted token is the argmax of
-its own verification (checked through logprobs), and the first divergence from AR of each prompt must be a near tie
-(it prints the divergence rate and the gaps). The header names the CPU, its bf16 flags and the dtype
-(``--dtype auto``: bfloat16 where matmuls run bf16 natively, see :mod:`ssd_eagle.platform`). It writes a CSV
-and a PNG of the cache hit rate against the fan-out F with the fitted power law ``1 - p_hit(F) = F^-r``. With a
-Saguaro-aware head (``--eagle3-saguaro``, default ``drafts/smollm2-135m-eagle3-saguaro`` when it exists) it adds
-issue 7's pair: the plain and the Saguaro-aware head served at the same (C, F) with a uniform fan-out
-(``ssd_eagle3_sag_plain`` / ``ssd_eagle3_sag_aware``).
+run's verification of K + 1 tokens) on its speedup over AR, next to the verifier's mean wait per round for its drafts
+on cache hits and on misses (``wait_on_hit_ms``, ``wait_on_miss_ms`` of ``spec_stats``). ``--repeats N`` runs every
+configuration N times, in N interleaved passes (each pass runs every configuration once), and reports the median;
+every ``*_plan`` row (the planner's choice, :mod:`ssd_eagle.planner`) gets the check "planner's choice vs AR: median
+ratio over N runs (goal >= 0.97)", the ratios taken pass by pass, with the rounds per planned draft length. At
+T = 0 it applies the near-tie rule of :mod:`ssd_eagle.exactness` to every configuration against AR in the same dtype:
+every emitted token is the argmax of its own verification (checked through logprobs), and the first divergence from
+AR of each prompt must be a near tie (it prints the divergence rate and the gaps). The header names the CPU, its
+bf16 flags and the dtype (``--dtype auto``: bfloat16 where matmuls run bf16 natively, see :mod:`ssd_eagle.platform`).
+It writes a CSV and a PNG of the cache hit rate against the fan-out F with the fitted power law
+``1 - p_hit(F) = F^-r``. With a Saguaro-aware head (``--eagle3-saguaro``, default
+``drafts/smollm2-135m-eagle3-saguaro`` when it exists) it adds issue 7's pair: the plain and the Saguaro-aware head
+served at the same (C, F) with a uniform fan-out (``ssd_eagle3_sag_plain`` / ``ssd_eagle3_sag_aware``).
 
     python scripts/bench_ssd.py --prompts 4 --max-tokens 128 --out runs/bench_ssd
     python scripts/bench_ssd.py --configs ar,sd_ngram,sd_eagle3,ssd_eagle3,sd_lm --temperatures 0 --dtype float32
     python scripts/bench_ssd.py --configs ar,sd_lm,ssd_lm_geo --temperatures 0
     python scripts/bench_ssd.py --configs ssd_eagle3_sag_plain,ssd_eagle3_sag_aware --temperatures 0.5,1.0
+    python scripts/bench_ssd.py --configs ar,sd_ngram_plan,sd_eagle3_plan,sd_lm_plan --prompts 1 --max-tokens 64 \
+        --repeats 3
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ import argparse
 import csv
 import json
 import os
+import statistics
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -176,10 +183,12 @@ def run_engine(engine: LLMEngine, prompts, params, record_top2: bool = False) ->
         top2.append(recorder.rows if recorder else None)
         consistent &= out.logprobs is None or argmax_consistent(out.logprobs)
         total.merge(outs[-1].stats)
-    rounds = max(total.num_rounds, 1)
+    rounds, summary = max(total.num_rounds, 1), total.summary()
     return {"tokens": tokens, "seconds": seconds, "tps": tokens / seconds, "tau": total.tau,
             "acc": total.acceptance_rate if total.num_drafted else None, "hit": total.cache_hit_rate,
             "V": total.verify_time / rounds, "D": total.draft_time / rounds, "rounds": total.num_rounds,
+            "wait_on_hit_ms": summary.get("wait_on_hit_ms"), "wait_on_miss_ms": summary.get("wait_on_miss_ms"),
+            "planned_k": summary.get("planned_rounds_per_k"), "probes": summary.get("probes"),
             "argmax_ok": consistent if params.logprobs is not None else None, "outputs": outputs, "top2": top2}
 
 
@@ -198,7 +207,8 @@ def run_hf(model, assistant, prompts, params, kind: str, k: int) -> dict:
         tokens += out.shape[1] - len(p)
         outputs.append(out[0, len(p):].tolist())
     return {"tokens": tokens, "seconds": seconds, "tps": tokens / seconds, "tau": None, "acc": None, "hit": None,
-            "V": None, "D": None, "rounds": None, "argmax_ok": None, "outputs": outputs, "top2": None}
+            "V": None, "D": None, "rounds": None, "wait_on_hit_ms": None, "wait_on_miss_ms": None, "planned_k": None,
+            "probes": None, "argmax_ok": None, "outputs": outputs, "top2": None}
 
 
 def main() -> None:
@@ -221,7 +231,8 @@ def main() -> None:
                     help="Saguaro C (default: the Saguaro-aware head's, else 0.7); ssd_lm_geo_saguaro uses it too")
     ap.add_argument("--saguaro-fanout", type=int, default=None,
                     help="F of the issue-7 comparison (default: the Saguaro-aware head's, else 3)")
-    ap.add_argument("--repeats", type=int, default=1, help="runs per configuration and temperature (median tok/s)")
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="interleaved passes over the configurations (median tok/s; the planner's median ratio to AR)")
     ap.add_argument("--tree-budget", type=int, default=16)
     ap.add_argument("--tree-topk", type=int, default=4)
     ap.add_argument("--out", default=str(ROOT / "runs/bench_ssd"))
@@ -240,46 +251,56 @@ def main() -> None:
     model, tokenizer = load_model(args.model, dtype=dtype)
     prompts = [render_chat(tokenizer, p["messages"])
                for split in ("mtbench", "humaneval") for p in heldout_prompts(split)[: args.prompts]]
-    rows, ranks = [], {}
-    for name in names:
-        cfg = all_configs[name]
-        pin(2 if cfg.mode == "ssd" or cfg.cores == 2 else 1, args.first_core)
-        spec = SpeculativeConfig.from_dict(cfg.spec) if cfg.spec else None
-        drafter = assistant = None
-        if cfg.mode in ("sd", "ssd"):
-            ecfg = EngineConfig(model=args.model, mode=cfg.mode, speculative_config=spec, max_num_seqs=1,
-                                max_model_len=4096)
-            drafter = make_drafter(ecfg, model, 4096)
-        elif cfg.mode == "hf" and cfg.hf == "assisted":
-            assistant = load_draft_model(args.draft_lm, model)  # a compact export is completed from the target
-        K = spec.num_speculative_tokens if spec else 0
-        for temp in temps:
-            # at T = 0 every token's logprobs show it is its verification's argmax (near-tie rule)
-            params = SamplingParams(temperature=temp, max_tokens=args.max_tokens, seed=1234,
-                                    logprobs=1 if temp == 0 and cfg.mode != "ar" else None)
-            runs = []
-            for _ in range(args.repeats):
-                if cfg.mode == "hf":
-                    runs.append(run_hf(model, assistant, prompts, params, cfg.hf, args.k))
-                else:
-                    kind, width = (FixedWidthEngine, {"width": args.k + 1}) if cfg.fixed_width else (LLMEngine, {})
-                    engine = kind(model, tokenizer, drafter, num_speculative_tokens=K, max_num_seqs=1,
-                                  max_model_len=4096, max_draft_tokens=spec.max_draft_tokens if spec else 0, **width)
-                    if cfg.plan:
-                        engine.planner = planner_for(engine, spec)
-                    runs.append(run_engine(engine, prompts, params, record_top2=cfg.mode == "ar" and temp == 0))
-                    if cfg.plan:
-                        runs[-1]["planner"] = engine.planner.summary()
-            runs.sort(key=lambda r: r["tps"])
-            r = dict(runs[len(runs) // 2], tps_min=runs[0]["tps"], tps_max=runs[-1]["tps"])
-            rows.append({"config": name, "temperature": temp, **r})
-            print(json.dumps({k: v for k, v in rows[-1].items() if k not in ("outputs", "top2")}), flush=True)
-        if cfg.mode == "ssd":
-            stats, _ = drafter.speculator.stats()
-            ranks[name] = stats.bonus_ranks
-            drafter.close()
+    # repeats interleaved (every configuration once per pass): the ratios of one pass share the machine's state
+    results: dict[tuple[str, float], list[dict]] = {}
+    ranks: dict[str, list[int]] = {}
+    for _ in range(args.repeats):
+        for name in names:
+            for temp, run in run_config(all_configs[name], args, model, tokenizer, prompts, temps, ranks).items():
+                results.setdefault((name, temp), []).append(run)
+                print(json.dumps({"config": name, "temperature": temp,
+                                  **{k: v for k, v in run.items() if k not in ("outputs", "top2")}}), flush=True)
+    rows = []
+    for (name, temp), runs in results.items():
+        ordered = sorted(runs, key=lambda r: r["tps"])
+        rows.append({"config": name, "temperature": temp, **ordered[len(ordered) // 2], "tps_min": ordered[0]["tps"],
+                     "tps_max": ordered[-1]["tps"], "tps_runs": [r["tps"] for r in runs]})
     near_ties(rows)
     report(rows, ranks, out_dir, args, describe_line("cpu", dtype))
+
+
+def run_config(cfg: Config, args, model, tokenizer, prompts, temps: list[float], ranks: dict) -> dict[float, dict]:
+    """One run of configuration ``cfg`` at every temperature (its drafter built for it and closed after); an SSD
+    configuration's bonus-token ranks are added to ``ranks[cfg.name]``."""
+    pin(2 if cfg.mode == "ssd" or cfg.cores == 2 else 1, args.first_core)
+    spec = SpeculativeConfig.from_dict(cfg.spec) if cfg.spec else None
+    drafter = assistant = None
+    if cfg.mode in ("sd", "ssd"):
+        ecfg = EngineConfig(model=args.model, mode=cfg.mode, speculative_config=spec, max_num_seqs=1,
+                            max_model_len=4096)
+        drafter = make_drafter(ecfg, model, 4096)
+    elif cfg.mode == "hf" and cfg.hf == "assisted":
+        assistant = load_draft_model(args.draft_lm, model)  # a compact export is completed from the target
+    K = spec.num_speculative_tokens if spec else 0
+    out = {}
+    for temp in temps:
+        # at T = 0 every token's logprobs show it is its verification's argmax (near-tie rule)
+        params = SamplingParams(temperature=temp, max_tokens=args.max_tokens, seed=1234,
+                                logprobs=1 if temp == 0 and cfg.mode != "ar" else None)
+        if cfg.mode == "hf":
+            out[temp] = run_hf(model, assistant, prompts, params, cfg.hf, args.k)
+            continue
+        kind, width = (FixedWidthEngine, {"width": args.k + 1}) if cfg.fixed_width else (LLMEngine, {})
+        engine = kind(model, tokenizer, drafter, num_speculative_tokens=K, max_num_seqs=1, max_model_len=4096,
+                      max_draft_tokens=spec.max_draft_tokens if spec else 0, **width)
+        if cfg.plan:
+            engine.planner = planner_for(engine, spec)
+        out[temp] = run_engine(engine, prompts, params, record_top2=cfg.mode == "ar" and temp == 0)
+    if cfg.mode == "ssd":
+        stats, _ = drafter.speculator.stats()
+        ranks.setdefault(cfg.name, []).extend(stats.bonus_ranks)
+        drafter.close()
+    return out
 
 
 def near_ties(rows) -> None:
@@ -330,7 +351,8 @@ def report(rows, ranks, out_dir: Path, args, platform_line: str) -> None:
     print(f"\n{platform_line}\nmodel={args.model} prompts/split={args.prompts} max_tokens={args.max_tokens} "
           f"K={args.k} B={args.budget} repeats={args.repeats} (tok/s: median, spread min-max)")
     header = f"{'config':24s} {'T':>4s} {'tok/s':>7s} {'spread':>13s} {'tau':>5s} {'acc':>5s} {'hit':>5s} " \
-             f"{'xAR':>5s} {'xSD':>5s} {'V ms':>6s} {'D ms':>6s} {'bound':>5s} {'reach':>5s} {'div':>5s}"
+             f"{'xAR':>5s} {'xSD':>5s} {'V ms':>6s} {'D ms':>6s} {'bound':>5s} {'reach':>5s} {'wHit':>6s} " \
+             f"{'wMiss':>6s} {'div':>5s}"
     print(header)
     fmt = lambda v, spec: format(v, spec) if v is not None else "-"  # noqa: E731
     for r in rows:
@@ -346,14 +368,30 @@ def report(rows, ranks, out_dir: Path, args, platform_line: str) -> None:
               f"{fmt(r['tps'] / ar['tps'] if ar else None, '5.2f'):>5s} "
               f"{fmt(r['tps'] / sd['tps'] if sd else None, '5.2f'):>5s} {fmt(r['V'] and r['V'] * 1e3, '6.1f'):>6s} "
               f"{fmt(r['D'] and r['D'] * 1e3, '6.1f'):>6s} {fmt(bound, '5.2f'):>5s} {fmt(reached, '5.2f'):>5s} "
-              f"{div:>5s}")
+              f"{fmt(r['wait_on_hit_ms'], '6.2f'):>6s} {fmt(r['wait_on_miss_ms'], '6.2f'):>6s} {div:>5s}")
     print("bound/reach: SD rows (V + D) / V and the SSD config's tok/s over it; SSD rows tau x T1 / V(K+1) and "
-          "tok/s over AR.\ndiv (T = 0): prompts whose output differs from AR's; '!' marks a divergence that is not a "
-          "near tie (AR top-2 gap > 2^-6 max(|top1|, 1)) or a token that is not its verification's argmax.")
+          "tok/s over AR.\nwHit/wMiss: the verifier's mean wait per round for its drafts (ms) on speculation cache "
+          "hits / misses (SSD).\ndiv (T = 0): prompts whose output differs from AR's; '!' marks a divergence that is "
+          "not a near tie (AR top-2 gap > 2^-6 max(|top1|, 1)) or a token that is not its verification's argmax.")
     for r in rows:
         if r.get("gaps"):
             print(f"  {r['config']}: first-divergence AR top-2 gaps (gap vs bound): {r['gaps']}")
+    planner_check(rows, by)
     plot_hit_rate(ranks, out_dir)
+
+
+def planner_check(rows, by) -> None:
+    """For every ``*_plan`` row: the median over the runs of its tok/s over AR's in the same pass (issue 13's goal:
+    the planner's choice never below 0.97x AR), and the rounds per planned draft length of its median run."""
+    for r in rows:
+        ar = by.get(("ar", r["temperature"]))
+        if not r["config"].endswith("_plan") or ar is None:
+            continue
+        ratios = [p / a for p, a in zip(r["tps_runs"], ar["tps_runs"])]
+        median = statistics.median(ratios)
+        print(f"planner's choice vs AR: {r['config']} T={r['temperature']:g}: median ratio over {len(ratios)} runs "
+              f"{median:.3f} (goal >= 0.97{'' if median >= 0.97 else ', MISSED'}); runs "
+              f"{', '.join(f'{x:.3f}' for x in ratios)}; rounds per planned K {r['planned_k']}, probes {r['probes']}")
 
 
 def plot_hit_rate(ranks: dict[str, list[int]], out_dir: Path) -> None:

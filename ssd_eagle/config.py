@@ -50,7 +50,8 @@ class SpeculativeConfig(ConfigModel):
     adaptive: bool = Field(True, description="SD chains: a planner measures the target's verify cost per width and the "
                            "running requests' acceptance, and drafts the K that maximises tokens/s, or nothing when "
                            "drafts do not pay (an explicit K fixes the length; the planner still decides whether to "
-                           "speculate). false: always draft K")
+                           "speculate; SSD with a speculator process: only whether to speculate). false: always "
+                           "draft K")
     # a 1-token match is right too rarely to pay for verifying 5 tokens
     prompt_lookup_min: int = Field(2, ge=1, description="shortest n-gram suffix matched (ngram)")
     prompt_lookup_max: int = Field(4, ge=1, description="longest n-gram suffix matched (ngram)")

@@ -9,8 +9,8 @@ emits on average
 tokens per row, where ``a_i`` is the probability that draft position i is accepted given positions 1..i-1 were
 (measured on the running request). The planner picks the K that maximises the batch's expected tokens per second
 ``sum_rows E_row(K) / T(K)``; K = 0 (plain decoding) competes on the same footing, so a drafter that does not pay
-is switched off. While off, a request *probes* (a short draft every ``probe_every`` rounds) so that speculation
-comes back when drafts start to pay.
+is switched off. While off, a request *probes* (a short draft now and then, less often while probes fail) so that
+speculation comes back when drafts start to pay. SSD engines are planned on or off only (see :func:`planner_for`).
 
 Costs: :func:`measure_verify_costs` times ``V(n, B)`` for n = 1..N new tokens per batch-size bucket in a few
 forwards at start-up; the table is cached on disk per (model, dtype, threads and CPU affinity, torch version, code
@@ -29,6 +29,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+
+from ssd_eagle.stats import SpecStats
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
 
@@ -203,22 +205,37 @@ class PlannerConfig:
         max_k: the longest chain considered (the engine's K).
         choose_k: pick K in 0..max_k (True) or only between 0 and max_k (an explicit K).
         adaptive: False always drafts max_k (the cost model is not consulted).
-        probe_every: while not speculating, a request drafts ``probe_k`` tokens every this many rounds.
+        probe_every: while not speculating, a request drafts ``probe_k`` tokens after this many rounds; every probe
+            that leaves speculation off doubles the interval, up to ``max_probe_every`` rounds (a probe costs a
+            draft and a wider verification, paid in full while the drafter stays useless); it starts again from
+            ``probe_every`` once the request speculates.
+        max_probe_every: the longest interval between probes (unless ``probe_overhead`` asks for more).
+        probe_overhead: probes are spaced so that they cost at most this fraction of plain decoding's time: at
+            least ``(T(probe_k) - T(0)) / (probe_overhead * T(0))`` rounds apart, from the measured costs (in
+            float32 on a 2-core EPYC a useless draft LM's probe cost ~1.4 plain rounds: ~0.7 its drafting, catch-up
+            forward included, ~0.7 the wider verification).
         probe_k: length of a probe.
+        learn_costs: False takes the cost table as it is and drafting as free (no online correction of ``V``, no
+            learnt ``D(K)``): for a table made by hand (tests, what-if runs).
     """
 
     max_k: int
     choose_k: bool = True
     adaptive: bool = True
     probe_every: int = 8
+    max_probe_every: int = 64
+    probe_overhead: float = 0.02
     probe_k: int = 2
+    learn_costs: bool = True
 
 
 class Planner:
     """Chooses each round's draft length from the cost table and the running requests' acceptance.
 
-    Call :meth:`choose` before drafting a round, :meth:`observe` after verifying it, :meth:`forget` when a request
-    ends. ``decisions`` counts the chosen K over rounds (reported in ``spec_stats`` and ``/metrics``).
+    Call :meth:`choose` (or :meth:`decide`) before drafting a round, :meth:`observe` after verifying it,
+    :meth:`forget` when a request ends; the engine calls :meth:`plan` and :meth:`observe_round`. ``decisions``
+    counts the batch's K over rounds; :meth:`plan` also records every request's draft length and probes in its
+    :class:`~ssd_eagle.stats.SpecStats` (the server's ``spec_stats``) and the engine's totals (``/metrics``).
     """
 
     def __init__(self, config: PlannerConfig, costs: CostTable):
@@ -229,6 +246,7 @@ class Planner:
         self.acceptance: dict[str, Acceptance] = {}
         self.engine_wide = Acceptance(decay=0.98)
         self.idle_rounds: dict[str, int] = {}
+        self.probe_interval: dict[str, int] = {}
         self.decisions: dict[int, int] = {}
 
     def round_time(self, k: int, batch: int) -> float:
@@ -244,6 +262,12 @@ class Planner:
 
     def choose(self, request_ids: list[str]) -> dict[str, int]:
         """Draft length per request for the next round (0 = plain decoding for that request)."""
+        return {r: k for r, (k, _) in self.decide(request_ids).items()}
+
+    def decide(self, request_ids: list[str]) -> dict[str, tuple[int, bool]]:
+        """``{request_id: (draft length, probe)}`` for the next round: the batch's K (0 = plain decoding), or for a
+        request whose speculation is off a ``probe_k`` probe now and then (``probe`` True; see
+        :class:`PlannerConfig`)."""
         cfg = self.config
         if not cfg.adaptive or cfg.max_k == 0 or not request_ids:
             k = cfg.max_k
@@ -252,16 +276,28 @@ class Planner:
             k = max(candidates, key=lambda c: (self.rate(c, request_ids), -c))
         self.decisions[k] = self.decisions.get(k, 0) + 1
         out = {}
+        spacing = self.probe_spacing(len(request_ids)) if k == 0 and cfg.adaptive else 1
         for r in request_ids:
             if k == 0 and cfg.adaptive:
+                backoff = self.probe_interval.get(r, cfg.probe_every)
                 idle = self.idle_rounds.get(r, 0) + 1
-                probe = idle >= cfg.probe_every
+                probe = idle >= max(backoff, spacing)
+                if probe:
+                    self.probe_interval[r] = min(2 * backoff, max(cfg.max_probe_every, cfg.probe_every))
                 self.idle_rounds[r] = 0 if probe else idle
-                out[r] = min(cfg.probe_k, cfg.max_k) if probe else 0
+                out[r] = (min(cfg.probe_k, cfg.max_k), True) if probe else (0, False)
             else:
                 self.idle_rounds[r] = 0
-                out[r] = k
+                self.probe_interval.pop(r, None)
+                out[r] = (k, False)
         return out
+
+    def probe_spacing(self, batch: int) -> int:
+        """Fewest rounds between a request's probes for them to cost at most ``probe_overhead`` of the time of
+        plain decoding (from the cost table and the learnt drafting cost)."""
+        plain = self.round_time(0, batch)
+        extra = self.round_time(min(self.config.probe_k, self.config.max_k), batch) - plain
+        return max(1, math.ceil(extra / (self.config.probe_overhead * plain) - 1e-9)) if plain > 0 else 1
 
     def observe(self, drafted: dict[str, tuple[int, int]], draft_seconds: float, verify_seconds: float,
                 width: int) -> None:
@@ -277,6 +313,8 @@ class Planner:
         for r, (n, k) in drafted.items():
             self.acceptance.setdefault(r, Acceptance()).record(n, k)
             self.engine_wide.record(n, k)
+        if not self.config.learn_costs:
+            return
         longest = max(n for n, _ in drafted.values())
         if longest:
             self.draft_cost.update(longest, draft_seconds)
@@ -284,10 +322,15 @@ class Planner:
         if predicted > 0 and math.isfinite(verify_seconds):
             self.verify_scale = 0.9 * self.verify_scale + 0.1 * (verify_seconds / predicted)
 
-    def plan(self, seqs: list, budgets: list[int]) -> list[int]:
-        """The engine's hook before drafting: each sequence's draft budget cut to the planned length."""
-        ks = self.choose([s.request_id for s in seqs])
-        return [min(b, ks[s.request_id]) for s, b in zip(seqs, budgets)]
+    def plan(self, seqs: list, budgets: list[int], totals: SpecStats | None = None) -> list[int]:
+        """The engine's hook before drafting: each sequence's draft budget cut to the planned length. The decision
+        is recorded in every sequence's ``stats`` and in ``totals`` (the engine's aggregate), as
+        :meth:`SpecStats.record_plan <ssd_eagle.stats.SpecStats.record_plan>`."""
+        plan = self.decide([s.request_id for s in seqs])
+        for seq in seqs:
+            for stats in (seq.stats, totals) if totals is not None else (seq.stats,):
+                stats.record_plan(*plan[seq.request_id])
+        return [min(b, plan[s.request_id][0]) for s, b in zip(seqs, budgets)]
 
     def observe_round(self, seqs: list, proposals: list, paths: list[list[int]], draft_seconds: float,
                       verify_seconds: float) -> None:
@@ -300,6 +343,7 @@ class Planner:
     def forget(self, request_id: str) -> None:
         self.acceptance.pop(request_id, None)
         self.idle_rounds.pop(request_id, None)
+        self.probe_interval.pop(request_id, None)
 
     def summary(self) -> dict:
         """JSON-ready planner state: rounds per chosen K and the engine-wide acceptance per position."""
@@ -308,14 +352,30 @@ class Planner:
 
 
 def planner_for(engine, spec) -> Planner | None:
-    """The planner of an engine built from a speculative config: SD chains on a single-device target whose
-    ``adaptive`` is on; K is the planner's to choose unless ``num_speculative_tokens`` was given explicitly.
-    Measures (or reads back) the verify cost table, so call it before any request is admitted."""
-    from ssd_eagle.model_runner import ModelRunner
+    """The planner of an engine built from a speculative config whose ``adaptive`` is on, for chains on a
+    single-device target (None otherwise: trees, a tensor-parallel target, ``adaptive: false``). Measures (or reads
+    back) the verify cost table, so call it before any request is admitted.
 
-    if not spec.adaptive or spec.tree_budget or getattr(engine.drafter, "mode", "sd") != "sd" \
-            or not isinstance(engine.target, ModelRunner):
+    SD: K in 0..K is the planner's to choose unless ``num_speculative_tokens`` was given explicitly (then only 0
+    or K). SSD: only whether to speculate (0 or K), for three reasons. The speculator's fan-out and its time
+    budget (:mod:`ssd_eagle.ssd.budget`) are sized for K, so a shorter cut wastes the branches built for it; the
+    verifier's cost of a round is its wait, which depends on the cache hit rate at that length, not on the
+    drafter's per-step time that the cost line ``d0 + d1 K`` models; and the round's ``draft_seconds`` (the wait)
+    is what the planner learns, which is right for the on/off decision: speculating pays when
+    ``E(K) / (V(K + 1) + wait) > 1 / V(1)``. While off, the speculator still commits every outcome (a budget of
+    0) and a probe's reply comes from its cache on a hit, so speculation resumes at no rebuild cost. An in-line
+    speculator (``speculator: local``, for tests and debugging: its builds run on the verifier's time) is not
+    planned, so that it runs exactly what its config says.
+    """
+    from ssd_eagle.model_runner import ModelRunner
+    from ssd_eagle.ssd.client import LocalSpeculator
+
+    mode = getattr(engine.drafter, "mode", "sd")
+    if not spec.adaptive or spec.tree_budget or mode not in ("sd", "ssd") or not isinstance(engine.target, ModelRunner):
+        return None
+    if isinstance(getattr(engine.drafter, "speculator", None), LocalSpeculator):
         return None
     k = spec.num_speculative_tokens
     costs = measure_verify_costs(engine.target, k + 1, engine.max_num_seqs)
-    return Planner(PlannerConfig(max_k=k, choose_k="num_speculative_tokens" not in spec.model_fields_set), costs)
+    choose_k = mode == "sd" and "num_speculative_tokens" not in spec.model_fields_set
+    return Planner(PlannerConfig(max_k=k, choose_k=choose_k), costs)

@@ -48,6 +48,9 @@ class SpecStats:
         verify_time: seconds spent in target forwards + verification.
         draft_time: seconds the verifier spent obtaining drafts (drafting, or waiting for the speculator).
         prefill_time: seconds spent in prefill.
+        planned_k: rounds per draft length the planner (:mod:`ssd_eagle.planner`) gave the request, K = 0 (plain
+            decoding) included, probes under their probe length; empty without a planner.
+        num_probes: rounds in which a request the planner had switched off drafted a short probe.
     """
 
     num_rounds: int = 0
@@ -68,6 +71,14 @@ class SpecStats:
     verify_time: float = 0.0
     draft_time: float = 0.0
     prefill_time: float = 0.0
+    planned_k: dict[int, int] = field(default_factory=dict)
+    num_probes: int = 0
+
+    def record_plan(self, k: int, probe: bool) -> None:
+        """Record the planner's draft length ``k`` for one request's round (``probe``: a probe of a request whose
+        speculation was off)."""
+        self.planned_k[k] = self.planned_k.get(k, 0) + 1
+        self.num_probes += probe
 
     def record_round(self, num_drafted: int, num_accepted: int, num_emitted: int) -> None:
         """Record one round: ``num_drafted`` proposed, ``num_accepted`` accepted (k), ``num_emitted`` emitted."""
@@ -120,16 +131,20 @@ class SpecStats:
         """Add ``other``'s counters into this one (in place) and return self."""
         for name in ("num_rounds", "num_emitted", "num_drafted", "num_accepted", "cache_lookups", "cache_hits",
                      "emitted_on_hit", "rounds_on_hit", "emitted_on_miss", "rounds_on_miss", "wait_on_hit",
-                     "wait_on_miss", "verify_time", "draft_time", "prefill_time"):
+                     "wait_on_miss", "verify_time", "draft_time", "prefill_time", "num_probes"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         self.accepted_lengths.extend(other.accepted_lengths)
-        for mine, theirs in ((self.lookups_per_k, other.lookups_per_k), (self.hits_per_k, other.hits_per_k)):
+        for mine, theirs in ((self.lookups_per_k, other.lookups_per_k), (self.hits_per_k, other.hits_per_k),
+                             (self.planned_k, other.planned_k)):
             for k, v in theirs.items():
                 mine[k] = mine.get(k, 0) + v
         return self
 
     def summary(self) -> dict:
-        """A JSON-ready dict of the headline figures (the server's ``spec_stats`` field)."""
+        """A JSON-ready dict of the headline figures (the server's ``spec_stats`` field). With a planner it adds
+        ``planned_rounds_per_k`` (``{K: rounds}``, K = 0 included), ``rounds_without_speculation`` (rounds at K = 0)
+        and ``probes``; with speculation cache lookups, the hit rates and the verifier's mean wait per round on hits
+        and on misses in milliseconds (``wait_on_hit_ms``, ``wait_on_miss_ms``; None without such rounds)."""
         out = {
             "rounds": self.num_rounds,
             "emitted_tokens": self.num_emitted,
@@ -148,4 +163,8 @@ class SpecStats:
                                        ("miss", self.wait_on_miss, self.rounds_on_miss)):
                 out[f"rounds_on_{name}"] = rounds
                 out[f"wait_on_{name}_ms"] = round(1e3 * wait / rounds, 3) if rounds else None
+        if self.planned_k:
+            out["planned_rounds_per_k"] = dict(sorted(self.planned_k.items()))
+            out["rounds_without_speculation"] = self.planned_k.get(0, 0)
+            out["probes"] = self.num_probes
         return out

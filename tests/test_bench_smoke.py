@@ -75,7 +75,7 @@ def scripts(assets, tmp_path_factory):
         "bench_ssd": Script("scripts/bench_ssd.py", "--model", target, "--draft-lm", str(assets["draft_lm"]),
                             "--eagle3", str(assets["eagle3"]), "--eagle3-saguaro", "",
                             "--configs", "ar,sd_ngram,sd_lm,ssd_lm_geo,sd_eagle3,ssd_eagle3,hf_lookup,ar_fixed,"
-                                         "sd_eagle3_fixed",
+                                         "sd_eagle3_fixed,sd_ngram_plan",
                             "--temperatures", "0,1", "--prompts", "1", "--max-tokens", "6", "--budget", "6",
                             "--out", str(out_dir)),
         "eval_draft": Script("scripts/eval_draft.py", "--model", target, "--draft", f"eagle3={assets['eagle3']}",
@@ -97,6 +97,7 @@ def scripts(assets, tmp_path_factory):
 def test_bench_decode(scripts):
     out = scripts[0]["bench_decode"].output()
     assert "ours n-gram SD" in out and "ratio ours AR / transformers generate" in out
+    assert "\nours n-gram SD (planned) " in out and "ratio ours n-gram SD (planned) / ours AR, median over 1" in out
     assert "!" not in out.split("configuration", 1)[1].split("ratio")[0], "a divergence that is not a near tie"
 
 
@@ -104,9 +105,14 @@ def test_bench_ssd(scripts):
     out = scripts[0]["bench_ssd"].output()
     table = out.split("bound/reach")[0].rsplit("tok/s: median", 1)[1]
     for name in ("ar", "sd_ngram", "sd_lm", "ssd_lm_geo", "sd_eagle3", "ssd_eagle3", "hf_lookup", "ar_fixed",
-                 "sd_eagle3_fixed"):
+                 "sd_eagle3_fixed", "sd_ngram_plan"):
         assert f"\n{name} " in table, f"{name} row missing"
     assert "!" not in table, "a divergence that is not a near tie, or a token that is not its verification's argmax"
+    assert "wHit" in table and "wMiss" in table
+    ssd_row = next(line for line in table.splitlines() if line.startswith("ssd_lm_geo "))
+    assert ssd_row.split()[-3] != "-" or ssd_row.split()[-2] != "-", "an SSD row without the verifier's waits"
+    for temp in ("0", "1"):
+        assert f"planner's choice vs AR: sd_ngram_plan T={temp}: median ratio over 1 runs" in out
     assert (scripts[1] / "results.csv").is_file()
 
 

@@ -82,6 +82,33 @@ def test_a_drafter_that_never_matches_ends_in_plain_decoding_and_a_probe_brings_
     assert sum(planner.decisions.values()) == 81 and planner.decisions.get(0, 0) > 0
 
 
+def test_failed_probes_back_off_and_speculating_resets_the_interval():
+    # probes nearly free (spaced by the backoff alone)
+    planner = planner_with([1.0, 1.001, 1.002, 1.003, 1.004], rate=0.0, max_k=4, probe_every=2, max_probe_every=8)
+    assert planner.probe_spacing(1) == 1
+    probes = [i for i in range(40) if planner.decide(["r"])["r"][1]]
+    assert probes == [1, 5, 13, 21, 29, 37]  # after 2, 4, 8, 8 ... idle rounds
+    planner.probe_interval["r"], planner.idle_rounds["r"] = 8, 3
+    planner.config.adaptive = False  # the request speculates for a round: the next stretch off probes early again
+    assert planner.decide(["r"])["r"] == (4, False)
+    planner.config.adaptive = True
+    assert [planner.decide(["r"])["r"][1] for _ in range(2)] == [False, True]
+    planner.forget("r")
+    assert "r" not in planner.probe_interval and "r" not in planner.idle_rounds
+
+
+def test_probes_are_spaced_to_cost_at_most_probe_overhead():
+    # a 2-token probe verifies 3 tokens: 0.6 s more than a plain round of 1 s; at 2% that is one probe in 30 rounds
+    planner = planner_with([1.0, 1.3, 1.6, 1.9, 2.2], rate=0.0, max_k=4, probe_every=4)
+    assert planner.probe_spacing(1) == 30
+    probes = [i for i in range(100) if planner.decide(["r"])["r"][1]]
+    assert probes == [29, 59, 89]
+    planner.draft_cost.update(2, 0.4)  # drafting the probe costs 0.4 s more
+    assert planner.probe_spacing(1) == 50
+    planner.config.probe_overhead = 1.0
+    assert planner.probe_spacing(1) == 1
+
+
 def test_online_line_recovers_a_line_and_handles_one_point():
     line = OnlineLine(decay=1.0)
     assert line.predict(3, default=7.0) == 7.0
@@ -157,7 +184,8 @@ def test_engine_with_planner_stops_drafting_a_useless_drafter_probes_and_comes_b
     target = make_tiny_llama(seed=3)
     drafter = WrongDrafter(target)
     engine = LLMEngine(target, byte_tokenizer, drafter, num_speculative_tokens=4, max_num_seqs=1, max_model_len=512)
-    engine.planner = Planner(PlannerConfig(max_k=4, probe_every=4), CostTable({1: [1.0, 1.3, 1.6, 1.9, 2.2]}))
+    engine.planner = Planner(PlannerConfig(max_k=4, probe_every=4, probe_overhead=1.0),  # probes as the backoff allows
+                             CostTable({1: [1.0, 1.3, 1.6, 1.9, 2.2]}))
     llm = LLM(engine=engine)
     prompt = random_prompts(3, seed=5)[2]
     out = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=60))[0]
@@ -192,3 +220,130 @@ def test_measure_verify_costs_fits_a_short_cache(tmp_path, monkeypatch):
     runner = ModelRunner(make_tiny_llama(), num_slots=2, max_len=40)
     table = measure_verify_costs(runner, max_new=6, max_batch=1, repeats=1)
     assert len(table.verify[1]) == 6 and min(table.verify[1]) > 0
+
+
+# ---------------------------------------------------------------------------------- decisions in the statistics
+def test_spec_stats_record_the_plan_per_k_with_probes_and_merge():
+    from ssd_eagle.stats import SpecStats
+
+    a, b = SpecStats(), SpecStats()
+    for k, probe in ((0, False), (0, False), (2, True), (5, False)):
+        a.record_plan(k, probe)
+    b.record_plan(0, False)
+    summary = a.merge(b).summary()
+    assert summary["planned_rounds_per_k"] == {0: 3, 2: 1, 5: 1}
+    assert summary["rounds_without_speculation"] == 3 and summary["probes"] == 1
+    assert "planned_rounds_per_k" not in SpecStats().summary()  # no planner, no planner fields
+
+
+CYCLE_K = 4
+SLOW_VERIFY = CostTable({1: [1.0, 3.0, 5.0, 7.0, 9.0]})  # drafting never pays
+CHEAP_VERIFY = CostTable({1: [1.0, 1.3, 1.6, 1.9, 2.2]})  # drafting pays as soon as anything is accepted
+
+
+def cycle_target():
+    """The server tests' target (greedy decoding cycles through a fixed byte string; token 0 never comes next),
+    in float64."""
+    from _server_helpers import make_model
+
+    return make_model().double()
+
+
+class Saboteur:
+    """A real drafter whose proposals are replaced by token 0, which the cycle target never emits, while ``bad``:
+    nothing it proposes is accepted at T = 0. Everything else goes to the real drafter."""
+
+    def __init__(self, inner):
+        self.inner, self.bad = inner, True
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def propose(self, seqs, num_tokens):
+        from ssd_eagle.drafters.base import Proposal
+
+        out = self.inner.propose(seqs, num_tokens)
+        return [Proposal([0] * len(p.tokens), None, p.cache_hit, p.lookup_k) for p in out] if self.bad else out
+
+
+def real_drafter(kind: str, target, tokenizer):
+    """ngram, draft_model (the target's copy: always right), eagle3 (a random head: almost never right) or ssd
+    (the draft model through the SSD factory, speculator in this process)."""
+    import copy
+
+    from ssd_eagle.drafters import DraftModelDrafter
+    from ssd_eagle.drafters.eagle3 import Eagle3Drafter
+
+    from helpers import eagle3_head_for
+
+    if kind == "ssd":
+        from ssd_eagle.config import EngineConfig, SpeculativeConfig
+        from ssd_eagle.engine.factory import build
+
+        spec = SpeculativeConfig(method="draft_model", model="in-memory", num_speculative_tokens=CYCLE_K,
+                                 fanout=[2], speculator="local")
+        cfg = EngineConfig(model="in-memory", mode="ssd", max_num_seqs=1, max_model_len=256, speculative_config=spec)
+        return build(cfg, target, tokenizer=tokenizer, draft=copy.deepcopy(target)).drafter
+    return {"ngram": lambda: NgramDrafter(1, 3),
+            "draft_model": lambda: DraftModelDrafter(copy.deepcopy(target), target.config.vocab_size, 1, 256),
+            "eagle3": lambda: Eagle3Drafter(eagle3_head_for(target, draft_vocab=257), num_slots=1, max_len=256),
+            }[kind]()
+
+
+@pytest.mark.parametrize("kind", ["ngram", "draft_model", "eagle3", "ssd"])
+def test_with_each_drafter_a_useless_one_ends_in_plain_decoding_and_a_good_one_comes_back(kind, byte_tokenizer):
+    """Every drafter kind under the planner: sabotaged (never accepted) it ends in plain decoding with probes;
+    left alone, n-gram, the draft model and SSD (right about the cycle) speculate again, the random EAGLE-3 head
+    (never right) stays off. Output equals the target's greedy decode throughout; the decisions are in the
+    request's ``spec_stats`` and the engine's totals."""
+    target = cycle_target()
+    drafter = Saboteur(real_drafter(kind, target, byte_tokenizer))
+    engine = LLMEngine(target, byte_tokenizer, drafter, num_speculative_tokens=CYCLE_K, max_num_seqs=1,
+                       max_model_len=256)
+    choose_k = kind != "ssd"  # SSD: on or off only (ssd_eagle.planner.planner_for)
+    engine.planner = Planner(PlannerConfig(max_k=CYCLE_K, choose_k=choose_k, probe_every=4, learn_costs=False,
+                                           probe_overhead=1.0), CHEAP_VERIFY)  # probes as often as the backoff allows
+    llm = LLM(engine=engine)
+    prompt = list(b"Hey \xc3\xa9")
+    params = SamplingParams(temperature=0.0, max_tokens=60)
+    try:
+        bad = llm.generate([prompt], params)[0]
+        drafter.bad = False
+        good = llm.generate([prompt], params)[0]
+    finally:
+        engine.close()
+    reference = reference_greedy(target, prompt, 60)
+    assert bad.token_ids == reference and good.token_ids == reference
+    s = bad.stats.summary()
+    assert bad.stats.num_accepted == 0 and s["rounds_without_speculation"] >= 30 and s["probes"] >= 3
+    assert sum(s["planned_rounds_per_k"].values()) == s["rounds"]
+    if kind == "eagle3":
+        assert good.stats.num_accepted <= 5 and good.stats.summary()["rounds_without_speculation"] >= 30
+    else:
+        g = good.stats.summary()
+        assert good.stats.num_accepted >= 30 and g["planned_rounds_per_k"].get(CYCLE_K, 0) >= 5
+        assert g["rounds"] < 30  # speculation back: fewer rounds than tokens
+    if kind == "ssd":
+        assert good.stats.cache_hits > 0  # the speculator kept its cache through the idle rounds
+    assert engine.stats.planned_k == {k: bad.stats.planned_k.get(k, 0) + good.stats.planned_k.get(k, 0)
+                                      for k in set(bad.stats.planned_k) | set(good.stats.planned_k)}
+    assert engine.stats.num_probes == bad.stats.num_probes + good.stats.num_probes
+
+
+def test_planner_for_plans_ssd_on_or_off_only_and_not_an_in_line_speculator(byte_tokenizer, tmp_path,
+                                                                           monkeypatch):
+    from types import SimpleNamespace
+
+    from ssd_eagle.config import SpeculativeConfig
+    from ssd_eagle.planner import planner_for
+    from ssd_eagle.ssd.client import LocalSpeculator
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    engine = LLMEngine(make_tiny_llama(seed=3), byte_tokenizer, NgramDrafter(1, 3), num_speculative_tokens=3,
+                       max_num_seqs=1, max_model_len=256)
+    spec = SpeculativeConfig(method="draft_model", model="d")
+    engine.drafter = SimpleNamespace(mode="ssd", speculator=object())  # a speculator process's link
+    planner = planner_for(engine, spec)
+    assert planner is not None and not planner.config.choose_k and planner.config.max_k == 5
+    engine.drafter = SimpleNamespace(mode="ssd", speculator=LocalSpeculator.__new__(LocalSpeculator))
+    assert planner_for(engine, spec) is None

@@ -312,7 +312,7 @@ class LLMEngine:
     def _round(self, seqs: list[Sequence]) -> None:
         t0 = time.perf_counter()
         budgets = [self._draft_budget(s) for s in seqs]
-        budgets = self.planner.plan(seqs, budgets) if self.planner is not None else budgets
+        budgets = self.planner.plan(seqs, budgets, self.stats) if self.planner is not None else budgets
         # called even with zero budgets: stateful drafters track every round
         proposals = self._call_drafter("propose", seqs, budgets) or [Proposal([]) for _ in seqs]
         proposals = [self._within_budget(p, b) for p, b in zip(proposals, budgets)]
