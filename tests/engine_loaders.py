@@ -14,6 +14,14 @@ SGLang: transcribed from sgl-project/sglang python/sglang/srt/models/llama_eagle
   skipped silently. Parameters keep the name "midlayer" (model.midlayer.*).
 Both loaders drop unknown names without error (SGLang by design; vLLM through its skip lists), so the functions
 below raise on any tensor that would not land on a parameter.
+
+Token embeddings after loading (:func:`engine_embeddings`), for a head whose ``hidden_size`` H differs from
+``target_hidden_size``: both engines build ``model.embed_tokens`` as [vocab, hidden_size] of the draft config, and
+``fc`` as [H, 3 * target_hidden_size]. vLLM: ``process_eagle_weight`` marks ``has_own_embed_tokens`` when a name
+containing "embed_tokens" is loaded, and ``SpecDecodeBaseProposer._maybe_share_embeddings`` puts the target's table
+in only when the draft has none (or an identical one; a table of another width is kept). SGLang: the EAGLE worker
+calls ``set_embed(target_embed)``, which returns without sharing when ``target_hidden_size != hidden_size``
+(sgl-project/sglang python/sglang/srt/models/llama.py, ``LlamaForCausalLM.set_embed``).
 """
 
 from __future__ import annotations
@@ -198,3 +206,25 @@ def from_sglang_names(engine: dict[str, torch.Tensor], config: Eagle3Config) -> 
     ``t2d`` rebuilt)."""
     hot = engine[SGLANG_HOT_TOKEN_ID]
     return _split_engine_state(engine, config, "midlayer.", hot - torch.arange(hot.shape[0], dtype=hot.dtype))
+
+
+def engine_embeddings(config: Eagle3Config, engine_state: dict[str, torch.Tensor], engine: str) -> str:
+    """Which token embeddings ``engine`` ("vLLM" or "SGLang") runs the loaded head on (module docstring):
+    ``"checkpoint"`` (the head's own ``model.embed_tokens.weight``) or ``"target"`` (the target's, shared).
+
+    Raises:
+        ValueError: a head of another width than its target without its own table (vLLM would share a
+            [vocab, target_hidden_size] table into a [vocab, hidden_size] model; SGLang would keep the draft's table
+            uninitialised), or an own table of the wrong shape.
+    """
+    own = engine_state.get(VLLM_EMBED if engine == "vLLM" else SGLANG_EMBED)
+    narrow = config.hidden_size != config.target_hidden_size
+    if own is not None and tuple(own.shape) != (config.vocab_size, config.hidden_size):
+        raise ValueError(f"{engine}: embed_tokens is {tuple(own.shape)}, the model builds "
+                         f"{(config.vocab_size, config.hidden_size)}")
+    if narrow and own is None:
+        raise ValueError(f"{engine}: a head {config.hidden_size} wide on a {config.target_hidden_size}-wide target "
+                         "needs its own embed_tokens.weight in the checkpoint")
+    if engine == "SGLang":
+        return "checkpoint" if narrow else "target"  # set_embed shares the target's unless the widths differ
+    return "checkpoint" if own is not None else "target"

@@ -12,6 +12,7 @@ from torch import nn
 from transformers import AutoConfig, LlamaConfig
 
 from engine_loaders import (
+    engine_embeddings,
     from_sglang_names,
     from_vllm_names,
     sglang_param_layout,
@@ -85,12 +86,17 @@ def test_save_load_round_trip_is_bit_exact(tmp_path):
     assert torch.equal(model(ids, hidden, pos), loaded(ids, hidden, pos))
 
 
-def test_saved_file_has_exactly_the_notes_tensors(tmp_path):
-    model = make_head(target_hidden=H_TARGET)
+@pytest.mark.parametrize("target_hidden", [H, H_TARGET], ids=["same-width", "other-width"])
+def test_saved_file_has_exactly_the_notes_tensors(tmp_path, target_hidden):
+    model = make_head(target_hidden=target_hidden)
     save_eagle3(model, tmp_path / "head")
     tensors = load_file(str(tmp_path / "head" / "model.safetensors"))
-    assert sorted(tensors) == sorted(HEAD_TENSOR_NAMES)
-    assert tensors["fc.weight"].shape == (H, 3 * H_TARGET)
+    # a head of another width than its target carries its own table (engines cannot share the target's)
+    own = ["embed_tokens.weight"] if target_hidden != H else []
+    assert sorted(tensors) == sorted(HEAD_TENSOR_NAMES + tuple(own))
+    if own:
+        assert tensors["embed_tokens.weight"].shape == (VOCAB, H)
+    assert tensors["fc.weight"].shape == (H, 3 * target_hidden)
     assert tensors["lm_head.weight"].shape == (DRAFT_VOCAB, H)
     assert tensors["d2t"].dtype == torch.long and tensors["d2t"].shape == (DRAFT_VOCAB,)
     assert tensors["t2d"].dtype == torch.bool and tensors["t2d"].shape == (VOCAB,)
@@ -340,22 +346,29 @@ def check_layout(engine_state: dict, layout: dict, dtype):
         assert tensor.dtype == (want or dtype), name
 
 
-def head_and_state(with_embed: bool):
-    """A head (owning embeddings when ``with_embed``) and its checkpoint tensors."""
-    model = make_head(target_hidden=H_TARGET)
+# (head of the target's width with no table | with an own table | of another width, which always has one)
+HEAD_KINDS = {"shared": (H, False), "own-table": (H, True), "other-width": (H_TARGET, True)}
+
+
+def head_and_state(kind: str):
+    """A head of ``HEAD_KINDS[kind]`` and its checkpoint tensors."""
+    target_hidden, with_embed = HEAD_KINDS[kind]
+    model = make_head(target_hidden=target_hidden)
     if with_embed:
         model.set_owned_embeddings(torch.randn(VOCAB, H, dtype=torch.float64))
     return model, head_state_dict(model, include_embeddings=with_embed)
 
 
-@pytest.mark.parametrize("with_embed", [False, True])
-def test_vllm_name_map_round_trip(with_embed):
-    model, ours = head_and_state(with_embed)
+@pytest.mark.parametrize("kind", sorted(HEAD_KINDS))
+def test_vllm_name_map_round_trip(kind):
+    model, ours = head_and_state(kind)
+    target_hidden, with_embed = HEAD_KINDS[kind]
     engine = to_vllm_names(ours)
     layout = vllm_param_layout(model.config)
     check_layout(engine, layout, torch.float64)
     assert ("model.embed_tokens.weight" in engine) == with_embed
-    assert engine["model.fc.weight"].shape == (H, 3 * H_TARGET)
+    assert engine_embeddings(model.config, engine, "vLLM") == ("checkpoint" if with_embed else "target")
+    assert engine["model.fc.weight"].shape == (H, 3 * target_hidden)
     assert engine["draft_id_to_target_id"].dtype == torch.long
     assert torch.equal(engine["model.layers.0.self_attn.qkv_proj.weight"][: 4 * 8],
                        ours["midlayer.self_attn.q_proj.weight"])
@@ -365,12 +378,15 @@ def test_vllm_name_map_round_trip(with_embed):
     assert_same_state(to_vllm_names(spec), engine)
 
 
-@pytest.mark.parametrize("with_embed", [False, True])
-def test_sglang_name_map_round_trip(with_embed):
-    model, ours = head_and_state(with_embed)
+@pytest.mark.parametrize("kind", sorted(HEAD_KINDS))
+def test_sglang_name_map_round_trip(kind):
+    model, ours = head_and_state(kind)
+    target_hidden, _ = HEAD_KINDS[kind]
     engine = to_sglang_names(ours)
     check_layout(engine, sglang_param_layout(model.config), torch.float64)
-    assert engine["model.fc.weight"].shape == (H, 3 * H_TARGET)
+    # SGLang's set_embed shares the target's table unless the widths differ
+    assert engine_embeddings(model.config, engine, "SGLang") == ("checkpoint" if kind == "other-width" else "target")
+    assert engine["model.fc.weight"].shape == (H, 3 * target_hidden)
     assert torch.equal(engine["hot_token_id"], model.draft_target_ids)
     assert torch.equal(engine["model.midlayer.mlp.gate_up_proj.weight"][64:], ours["midlayer.mlp.up_proj.weight"])
     assert_same_state(from_sglang_names(engine, model.config), ours)
@@ -402,3 +418,92 @@ def test_routes_transcribe_the_engine_loaders():
     assert sglang_route("fc.weight") == ("model.fc.weight", None)
     assert sglang_route("lm_head.weight") == ("lm_head.weight", None)
     assert sglang_route("layers.0.mlp.gate_proj.weight") is None
+
+
+# ---------------------------------------------------------------- a head narrower than its target, end to end
+
+H_NARROW = 16
+
+
+def narrow_head(seed=0) -> Eagle3DraftModel:
+    """A float64 head 16 wide for the 32-wide ``target_config()``, its table projected from a random target's."""
+    torch.manual_seed(seed)
+    model = Eagle3DraftModel(Eagle3Config.from_target(target_config(), DRAFT_VOCAB, hidden_size=H_NARROW)).double()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn_like(p) * 0.3 + (1.0 if p.dim() == 1 else 0.0))
+    model.set_vocab_mapping(*build_vocab_mapping(torch.randperm(VOCAB)[:DRAFT_VOCAB], VOCAB, DRAFT_VOCAB))
+    model.project_target_embeddings(torch.randn(VOCAB, H, dtype=torch.float64))
+    return model
+
+
+def test_narrow_head_saves_loads_and_maps_onto_both_engines(tmp_path):
+    model = narrow_head()
+    path = save_eagle3(model, tmp_path / "head")
+    c = json.loads((path / "config.json").read_text())
+    assert (c["hidden_size"], c["target_hidden_size"], c["num_attention_heads"]) == (H_NARROW, H, 2)
+    tensors = load_file(str(path / "model.safetensors"))
+    assert tensors["embed_tokens.weight"].shape == (VOCAB, H_NARROW)
+    assert tensors["fc.weight"].shape == (H_NARROW, 3 * H)
+    loaded = load_eagle3(path, target_config=target_config())  # the width no longer refuses the head
+    assert_same_state(loaded.state_dict(), model.state_dict())
+    assert not loaded.embed_tokens.weight.requires_grad
+    loaded.set_embeddings(nn.Embedding(VOCAB, H).double())  # what the engine does: the own table stays
+    ids, pos = torch.randint(0, VOCAB, (1, 6)), torch.arange(6)[None]
+    hidden = model.fuse(torch.randn(1, 6, 3 * H, dtype=torch.float64))
+    assert torch.equal(model(ids, hidden, pos), loaded(ids, hidden, pos))
+    for to_engine, layout, engine in ((to_vllm_names, vllm_param_layout, "vLLM"),
+                                      (to_sglang_names, sglang_param_layout, "SGLang")):
+        state = to_engine(tensors)
+        check_layout(state, layout(model.config), torch.float64)
+        assert engine_embeddings(model.config, state, engine) == "checkpoint"
+        torch.testing.assert_close(state["model.embed_tokens.weight"], tensors["embed_tokens.weight"])
+    spec = save_speculators(model, tmp_path / "spec")
+    assert_same_state(load_eagle3(spec, target_config=target_config()).state_dict(), model.state_dict())
+
+
+def test_narrow_head_without_its_table_is_refused_here_and_by_the_engine_simulations(tmp_path):
+    model = narrow_head()
+    path = save_eagle3(model, tmp_path / "head")
+    tensors = {k: v for k, v in load_file(str(path / "model.safetensors")).items() if k != "embed_tokens.weight"}
+    rewrite(path, tensors)
+    with pytest.raises(ValueError, match=r"no embed_tokens\.weight.*hidden_size=16 != target_hidden_size=32"):
+        load_eagle3(path)
+    for to_engine, engine in ((to_vllm_names, "vLLM"), (to_sglang_names, "SGLang")):
+        with pytest.raises(ValueError, match="needs its own embed_tokens"):
+            engine_embeddings(model.config, to_engine(tensors), engine)
+    wrong = dict(tensors, **{"embed_tokens.weight": torch.zeros(VOCAB, H, dtype=torch.float64)})
+    with pytest.raises(ValueError, match="embed_tokens"):
+        engine_embeddings(model.config, to_vllm_names(wrong), "vLLM")
+    rewrite(path, wrong)
+    with pytest.raises(ValueError, match=r"embed_tokens\.weight: checkpoint \(50, 32\)"):
+        load_eagle3(path)
+
+
+@pytest.mark.parametrize("mode", ["sd", "ssd"])
+def test_sd_with_a_narrow_head_equals_target_greedy(mode, tmp_path, byte_tokenizer):
+    """A 32-wide head on a 64-wide float64 target, exported and loaded by the engine factory (the serving path):
+    SD and SSD output equal the target's greedy decode token for token."""
+    from helpers import make_tiny_llama, random_prompts, reference_greedy
+    from ssd_eagle.config import EngineConfig, SpeculativeConfig
+    from ssd_eagle.engine.factory import build
+    from ssd_eagle.engine.llm import LLM
+    from ssd_eagle.sampling_params import SamplingParams
+
+    target = make_tiny_llama(seed=4, num_layers=8, vocab_size=80, max_positions=256)
+    cfg = Eagle3Config.from_target(target.config, 80, hidden_size=32, torch_dtype="float64")
+    assert cfg.target_hidden_size == 64 and cfg.owns_embeddings
+    torch.manual_seed(0)
+    head = Eagle3DraftModel(cfg).double()
+    head.init_weights(std=0.3)
+    head.project_target_embeddings(target.get_input_embeddings().weight)
+    path = save_eagle3(head, tmp_path / "narrow")
+    spec = SpeculativeConfig(method="eagle3", model=str(path), num_speculative_tokens=3,
+                             **({"fanout": [60]} if mode == "ssd" else {}))
+    engine = build(EngineConfig(model="in-memory", mode=mode, max_num_seqs=3, max_model_len=256, dtype="float64",
+                                speculative_config=spec), target, tokenizer=byte_tokenizer)
+    prompts = [[t % 80 for t in p] for p in random_prompts(4, seed=3)]
+    outs = LLM(engine=engine).generate(prompts, SamplingParams(temperature=0.0, max_tokens=14))
+    for prompt, out in zip(prompts, outs):
+        assert out.token_ids == reference_greedy(target, prompt, 14, eos=set())
+    assert engine.stats.num_drafted > 0

@@ -39,7 +39,10 @@ def make_head(attn="sdpa", seed=0, target_hidden=H_TARGET) -> tuple[Eagle3DraftM
     used = torch.randperm(VOCAB)[:DRAFT_VOCAB]
     model.set_vocab_mapping(*build_vocab_mapping(used, VOCAB, DRAFT_VOCAB))
     emb = nn.Embedding(VOCAB, H).double()
-    model.set_embeddings(emb)
+    if cfg.owns_embeddings:  # H != H_target: the head runs on its own [VOCAB, H] table
+        model.set_owned_embeddings(emb.weight)
+    else:
+        model.set_embeddings(emb)
     return model, emb
 
 
@@ -222,11 +225,11 @@ def test_to_target_logits_scatters_with_minus_inf():
 # ---------------------------------------------------------------- embeddings and parameters
 
 def test_shared_embeddings_are_not_parameters_and_get_no_gradient():
-    model, emb = make_head()
+    model, emb = make_head(target_hidden=H)
     assert "embed_tokens.weight" not in model.state_dict()
     assert all(p is not emb.weight for p in model.parameters())
     ids = torch.randint(0, VOCAB, (1, 4))
-    hidden = model.fuse(torch.randn(1, 4, 3 * H_TARGET, dtype=torch.float64))
+    hidden = model.fuse(torch.randn(1, 4, 3 * H, dtype=torch.float64))
     model.compute_logits(model(ids, hidden, torch.arange(4)[None])).sum().backward()
     assert emb.weight.grad is None
     assert model.fc.weight.grad is not None and model.midlayer.self_attn.q_proj.weight.grad is not None
@@ -237,7 +240,7 @@ def test_shared_embeddings_are_not_parameters_and_get_no_gradient():
 
 
 def test_owned_embeddings_are_frozen_and_replaced_by_shared():
-    model, emb = make_head()
+    model, emb = make_head(target_hidden=H)
     model.set_owned_embeddings(torch.randn(VOCAB, H, dtype=torch.float64))
     assert "embed_tokens.weight" in model.state_dict()
     assert not model.embed_tokens.weight.requires_grad
@@ -265,6 +268,71 @@ def test_module_layout_reuses_transformers_modules():
     assert model.fc.weight.shape == (H, 3 * H_TARGET)
     assert model.lm_head.weight.shape == (DRAFT_VOCAB, H)
     assert model.d2t.dtype == torch.long and model.t2d.dtype == torch.bool
+
+
+def narrow_head(width=16, seed=0) -> Eagle3DraftModel:
+    """A head ``width`` wide for the H-wide ``target_config()``, random float64 weights."""
+    torch.manual_seed(seed)
+    model = Eagle3DraftModel(Eagle3Config.from_target(target_config(), DRAFT_VOCAB, hidden_size=width)).double()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn_like(p) * 0.3 + (1.0 if p.dim() == 1 else 0.0))
+    return model
+
+
+def test_narrow_head_owns_a_frozen_table_and_keeps_it_against_the_target():
+    model = narrow_head()
+    cfg = model.config
+    assert cfg.owns_embeddings and (cfg.hidden_size, cfg.target_hidden_size) == (16, H)
+    assert model.fc.weight.shape == (16, 3 * H) and model.lm_head.weight.shape == (DRAFT_VOCAB, 16)
+    assert model.state_dict()["embed_tokens.weight"].shape == (VOCAB, 16)
+    assert not model.embed_tokens.weight.requires_grad
+    assert model.num_parameters(trainable_only=True) == model.num_parameters() - VOCAB * 16
+    own = model.embed_tokens.weight.clone()
+    model.set_embeddings(nn.Embedding(VOCAB, H).double())  # the target's table: checked, not used
+    assert torch.equal(model.embed_tokens.weight, own)
+    with pytest.raises(ValueError, match="needs"):
+        model.set_embeddings(nn.Embedding(VOCAB, 16).double())
+    ids = torch.randint(0, VOCAB, (2, 5))
+    hidden = model.fuse(torch.randn(2, 5, 3 * H, dtype=torch.float64))
+    out = model(ids, hidden, torch.arange(5).expand(2, 5))
+    assert out.shape == (2, 5, 16) and model.compute_logits(out).shape == (2, 5, DRAFT_VOCAB)
+    assert torch.equal(model.embed(ids), own[ids])
+
+
+def test_projected_embeddings_keep_the_target_geometry_up_to_rank_h():
+    """E @ P with P the top-16 right singular vectors: exact inner products for a rank-16 table, the best rank-16
+    approximation's for a full one."""
+    model = narrow_head()
+    low_rank = torch.randn(VOCAB, 16, dtype=torch.float64) @ torch.randn(16, H, dtype=torch.float64)
+    model.project_target_embeddings(low_rank)
+    e = model.embed_tokens.weight
+    torch.testing.assert_close(e @ e.T, low_rank @ low_rank.T, rtol=1e-9, atol=1e-9)
+    full = torch.randn(VOCAB, H, dtype=torch.float64)
+    model.project_target_embeddings(full)
+    u, s, vh = torch.linalg.svd(full, full_matrices=False)
+    best = (u[:, :16] * s[:16]) @ vh[:16]
+    e = model.embed_tokens.weight
+    torch.testing.assert_close(e @ e.T, best @ best.T, rtol=1e-9, atol=1e-9)
+    with pytest.raises(ValueError, match="expected"):
+        model.project_target_embeddings(torch.randn(VOCAB, 16))
+    with pytest.raises(ValueError, match="shares"):
+        make_head(target_hidden=H)[0].project_target_embeddings(full)
+
+
+def test_narrow_geometry_is_scaled_from_the_target():
+    cfg = Eagle3Config.from_target(target_config(), DRAFT_VOCAB, hidden_size=16)
+    assert (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.intermediate_size) == (2, 1, 8, 64)
+    cfg.validate_against_target(target_config())  # another width is a valid head for this target
+    smol = LlamaConfig(hidden_size=576, num_attention_heads=9, num_key_value_heads=3, intermediate_size=1536,
+                       num_hidden_layers=30, vocab_size=VOCAB, head_dim=64)
+    cfg = Eagle3Config.from_target(smol, DRAFT_VOCAB, hidden_size=384)
+    assert (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.intermediate_size) == (6, 2, 64, 1024)
+    assert Eagle3Config.from_target(smol, DRAFT_VOCAB, hidden_size=384, intermediate_size=512).intermediate_size == 512
+    with pytest.raises(ValueError, match="multiple of the target's head_dim"):
+        Eagle3Config.from_target(target_config(), DRAFT_VOCAB, hidden_size=12)
+    with pytest.raises(ValueError, match="ratio"):
+        Eagle3Config.from_target(smol, DRAFT_VOCAB, hidden_size=64)
 
 
 # ---------------------------------------------------------------- config

@@ -178,6 +178,30 @@ def test_zero3_checkpoint_exports_in_memory_weights(tiny, tmp_path):
     _assert_equal_states(load_file(str(again / "model.safetensors")), memory)
 
 
+def test_narrow_head_trains_exports_and_loads_in_both_engine_simulations(tiny, tmp_path):
+    """``draft_hidden_size`` 32 on the 64-wide target: the head's own table starts as the projection of the target's,
+    stays frozen, and is exported; vLLM and SGLang (simulated) run the head on it."""
+    from engine_loaders import engine_embeddings
+
+    out = tmp_path / "run"
+    trainer, _ = run_trainer(**tiny_config(tiny, out, max_steps=2, save_every=2, eval_every=0, draft_hidden_size=32))
+    head = trainer.head
+    assert (head.config.hidden_size, head.config.target_hidden_size) == (32, 64)
+    fresh = Eagle3DraftModel(head.config)
+    fresh.project_target_embeddings(trainer.target_embed.weight)
+    assert torch.equal(head.embed_tokens.weight, fresh.embed_tokens.weight)  # frozen through training
+    export = export_checkpoint(out, tmp_path / "export", dtype="float32")
+    tensors = load_file(str(export / "model.safetensors"))
+    assert tensors["embed_tokens.weight"].shape == (head.config.vocab_size, 32)
+    assert tensors["fc.weight"].shape == (32, 3 * 64)
+    _assert_equal_states(tensors, trainer.gathered_draft_state())
+    for to_engine, engine in ((to_vllm_names, "vLLM"), (to_sglang_names, "SGLang")):
+        assert engine_embeddings(head.config, to_engine(tensors), engine) == "checkpoint"
+    loaded = load_eagle3(export, target_config=LlamaConfig.from_pretrained(tiny["target"]))
+    assert torch.equal(loaded.embed_tokens.weight, head.embed_tokens.weight)
+    assert "own `embed_tokens.weight` [vocab, 32]" in (export / "README.md").read_text()
+
+
 def test_draft_lm_zero3_plain_compact_and_materialized_exports(tiny, tmp_path):
     from ssd_eagle.models.draft_lm import load_draft_lm
 

@@ -65,6 +65,9 @@ class TrainConfig(ConfigModel):
     EAGLE-3:
         draft_vocab_size: rows of the head's ``lm_head`` (the most frequent loss-masked target tokens).
         aux_layer_ids: input-of-layer ids (``docs/design.md`` section 2); None: ``(2, L//2, L-3)``.
+        draft_hidden_size: the head's width H (None: the target's). Another width scales the midlayer
+            (:func:`ssd_eagle.models.eagle3_config.scaled_geometry`) and gives the head its own frozen embedding
+            table, the truncated-SVD projection of the target's (``Eagle3DraftModel.project_target_embeddings``).
         ttt_steps, ttt_decay: training-time-test unroll length and per-step loss weight ``decay**i``.
         saguaro_c: train a Saguaro-aware head for Saguaro sampling with this C in (0, 1] (None: plain head);
             saguaro_fanout: the F it is trained for (cached bonus candidates per position); saguaro_weight: weight
@@ -123,6 +126,7 @@ class TrainConfig(ConfigModel):
 
     draft_vocab_size: Positive = 32000
     aux_layer_ids: Annotated[list[int], Field(min_length=3, max_length=3)] | None = None
+    draft_hidden_size: Positive | None = None
     ttt_steps: Positive = 7
     ttt_decay: float = Field(0.8, gt=0.0, le=1.0)
     saguaro_c: float | None = Field(None, gt=0.0, le=1.0)

@@ -11,13 +11,15 @@ DeepSpeed's ZeRO partitions when that file is absent (:func:`train.checkpoint.re
 * EAGLE-3 head -> the ``LlamaForCausalLMEagle3`` folder vLLM and SGLang load (:func:`~ssd_eagle.models.
   eagle3_formats.save_eagle3`: the target's rope settings and max positions, ``tie_word_embeddings: false``, aux
   ids declared input-of-layer), plus the target's tokenizer files and a model card; ``--speculators`` adds the
-  vLLM speculators format under ``OUT/speculators/``. A head without ``lm_head.weight`` is refused.
+  vLLM speculators format under ``OUT/speculators/``. A head without ``lm_head.weight`` is refused. A head of
+  another width than its target (``hidden_size != target_hidden_size``) is written with its own
+  ``embed_tokens.weight`` [vocab, H], which both engines then load instead of sharing the target's.
 * Draft LM -> a plain transformers folder (:func:`train.draft_lm.save_draft_lm`), or with ``--compact`` only its
   trained tensors (the embedding is the target's); ``--materialize`` turns a compact folder into a plain one.
 
-No frozen target weight is written for a head; the draft LM's plain folder carries the target's embedding table
-because a plain folder must be complete. ``--push-to-hub`` uses ``huggingface_hub.create_repo`` and
-``upload_folder``.
+No frozen target weight is written for a head (a narrow head's table is its own, not the target's); the draft
+LM's plain folder carries the target's embedding table because a plain folder must be complete. ``--push-to-hub``
+uses ``huggingface_hub.create_repo`` and ``upload_folder``.
 """
 
 from __future__ import annotations
@@ -112,10 +114,23 @@ def _fmt(x, digits=3):
     return "n/a" if x is None else (f"{x:.{digits}f}" if isinstance(x, float) else str(x))
 
 
+def _embeddings_line(widths: tuple[int, int] | None) -> str:
+    if widths is None or widths[0] == widths[1]:
+        return "- token embeddings: shared with the target (not stored)"
+    h, ht = widths
+    return (f"- token embeddings: the head's own `embed_tokens.weight` [vocab, {h}] (the head is {h} wide, the target "
+            f"{ht}; `fc` maps 3 x {ht} -> {h}), the truncated-SVD projection of the target's table, frozen in "
+            "training; vLLM and SGLang load it instead of sharing the target's")
+
+
 def model_card(kind: str, name: str, target: str, state: dict, train_cfg: dict, *, tau: float | None = None,
                compact: bool = False, speculators: bool = False, dtype: str = "bfloat16",
-               aux_layer_ids=None, draft_vocab_size=None, num_layers=None) -> str:
-    """The ``README.md`` of an export: what it is, how to load it, its data, steps and measured acceptance."""
+               aux_layer_ids=None, draft_vocab_size=None, num_layers=None,
+               widths: tuple[int, int] | None = None) -> str:
+    """The ``README.md`` of an export: what it is, how to load it, its data, steps and measured acceptance.
+
+    ``widths``: a head's ``(hidden_size, target_hidden_size)``; when they differ the card says the head carries its
+    own embedding table."""
     data = state.get("data") or {}
     metrics = state.get("last_metrics") or {}
     held = state.get("last_heldout") or {}
@@ -133,7 +148,7 @@ def model_card(kind: str, name: str, target: str, state: dict, train_cfg: dict, 
                   f"assistant tokens: {_fmt(state.get('vocab_coverage'), 4)})",
                   f"- aux hidden states: layers {list(aux_layer_ids or [])}, **input-of-layer** convention "
                   "(`hidden_states[i]` of transformers; vLLM's reading of `eagle_aux_hidden_state_layer_ids`)",
-                  "- token embeddings: shared with the target (not stored)", ""]
+                  _embeddings_line(widths), ""]
         if train_cfg.get("saguaro_c") is not None:
             c, f = train_cfg["saguaro_c"], train_cfg.get("saguaro_fanout")
             lines += [f"**Saguaro-aware**: trained for Saguaro sampling with C = {c}, F = {f} (an extra loss term "
@@ -242,7 +257,8 @@ def export_checkpoint(checkpoint: str | os.PathLike, out_dir: str | os.PathLike,
                                  verifier_architectures=list(getattr(target_config, "architectures", None) or []))
             (tmp / "README.md").write_text(model_card(
                 "eagle3", title, target_name, state, train_cfg, tau=tau, speculators=speculators, dtype=dtype,
-                aux_layer_ids=head.config.aux_layer_ids, draft_vocab_size=head.config.draft_vocab_size))
+                aux_layer_ids=head.config.aux_layer_ids, draft_vocab_size=head.config.draft_vocab_size,
+                widths=(head.config.hidden_size, head.config.target_hidden_size)))
         return out
     from train.draft_lm import save_draft_lm
 

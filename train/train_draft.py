@@ -203,6 +203,9 @@ class Trainer:
                 if config.draft_vocab_size != cfg.draft_vocab_size:
                     raise ValueError(f"checkpoint draft_vocab_size {config.draft_vocab_size} != config "
                                      f"{cfg.draft_vocab_size}")
+                if config.hidden_size != (cfg.draft_hidden_size or config.target_hidden_size):
+                    raise ValueError(f"checkpoint hidden_size {config.hidden_size} != config draft_hidden_size "
+                                     f"{cfg.draft_hidden_size}")
                 tensors = ckpt.read_draft_tensors(self.resume_dir)
                 d2t, t2d = tensors["d2t"], tensors["t2d"]
             else:
@@ -215,8 +218,9 @@ class Trainer:
                     save_token_counts(self.out / "token_counts.json", counts,
                                       {"target": cfg.target, "data": str(self.data.stats.get("source")),
                                        "max_length": cfg.max_length})
+                width = {"hidden_size": cfg.draft_hidden_size} if cfg.draft_hidden_size else {}
                 config = Eagle3Config.from_target(self.target.config, cfg.draft_vocab_size, self.aux_layer_ids,
-                                                  torch_dtype=cfg.dtype)
+                                                  torch_dtype=cfg.dtype, **width)
                 self.vocab_coverage = float(counts[t2d].sum() / counts.sum().clamp_min(1))
             saguaro = None
             if cfg.saguaro_c is not None:  # the exported head records the (C, F) it was trained for
@@ -226,7 +230,9 @@ class Trainer:
             config.validate_against_target(self.target.config)
             head = Eagle3DraftModel(config, attn_implementation=cfg.attn_implementation).to(self.dtype)
             head.set_vocab_mapping(d2t, t2d)
-            head.set_embeddings(self.target_embed)
+            head.set_embeddings(self.target_embed)  # a head of another width keeps its own table
+            if config.owns_embeddings and not self.snapshot:  # resume: the table comes with the checkpoint
+                head.project_target_embeddings(self.target_embed.weight)
             head.to(self.device)
             self.head = head
             return Eagle3Trainable(head, cfg.ttt_steps, cfg.ttt_decay, saguaro)

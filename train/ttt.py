@@ -128,7 +128,8 @@ def ttt_unroll(head, input_ids: torch.Tensor, aux_hidden: torch.Tensor, num_step
     """Run the head's TTT unroll.
 
     Args:
-        head: an :class:`~ssd_eagle.models.eagle3.Eagle3DraftModel` with embeddings attached.
+        head: an :class:`~ssd_eagle.models.eagle3.Eagle3DraftModel` with embeddings attached (the target's, or
+            its own table for a head of another width: nothing here assumes H == H_target).
         input_ids: int64 [B, n], the sequence ``x``.
         aux_hidden: [B, n, 3 * H_target], the target's aux hidden states ``f`` (low, mid, high).
         num_steps: K >= 1.
@@ -194,8 +195,8 @@ def draft_targets(last_hidden: torch.Tensor, lm_head_weight: torch.Tensor, draft
     """Recompute ``p`` through the target's frozen output layer.
 
     Args:
-        last_hidden: [B, n, H], the target's final-normed hidden states.
-        lm_head_weight: [V, H], the target's output layer.
+        last_hidden: [B, n, H_target], the target's final-normed hidden states.
+        lm_head_weight: [V, H_target], the target's output layer.
         draft_target_ids: int64 [D], target id of every draft id (``arange + d2t``, ascending).
         t2d: bool [V].
         argmax: int64 [B, n], the target's greedy next token when already known (offline features store it);

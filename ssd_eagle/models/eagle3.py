@@ -136,7 +136,10 @@ class Eagle3DraftModel(nn.Module):
 
     Token embeddings are the target's: attach them with :meth:`set_embeddings` (not registered as a parameter, so
     ``state_dict()`` and optimizers never see them). A checkpoint that carries ``embed_tokens.weight`` gets an owned,
-    frozen ``embed_tokens`` instead (see :meth:`set_owned_embeddings`).
+    frozen ``embed_tokens`` instead (see :meth:`set_owned_embeddings`). A head of another width than its target
+    (``config.owns_embeddings``: H != H_target) always owns a frozen ``embed_tokens`` [vocab, H], registered at
+    construction (so in ``state_dict()`` and every export), initialised from the target's table by
+    :meth:`project_target_embeddings` when trained here.
 
     Args:
         config: the head's :class:`Eagle3Config`.
@@ -169,6 +172,8 @@ class Eagle3DraftModel(nn.Module):
         self.register_module("embed_tokens", None)
         object.__setattr__(self, "_shared_embeddings", None)
         self.init_weights()
+        if config.owns_embeddings:
+            self.set_owned_embeddings(torch.zeros(config.vocab_size, h))
 
     # --- construction helpers -----------------------------------------------------------------------------
     @torch.no_grad()
@@ -185,17 +190,47 @@ class Eagle3DraftModel(nn.Module):
     def set_embeddings(self, embeddings: nn.Module) -> None:
         """Share the target's input embeddings (``target.get_input_embeddings()``), frozen and unregistered.
 
-        Drops an owned ``embed_tokens`` loaded from a checkpoint: the target's embeddings are authoritative.
+        Drops an owned ``embed_tokens`` loaded from a checkpoint: the target's embeddings are authoritative. A head
+        of another width (``config.owns_embeddings``) keeps its own table and only checks that ``embeddings`` is the
+        target's [vocab_size, target_hidden_size] (what SGLang's ``set_embed`` does for such a head).
 
         Raises:
-            ValueError: the embedding table is not [vocab_size, hidden_size].
+            ValueError: the embedding table is not [vocab_size, hidden_size] ([vocab_size, target_hidden_size] for a
+                head of another width).
         """
         weight = embeddings.weight
-        expected = (self.config.vocab_size, self.config.hidden_size)
+        cfg = self.config
+        expected = (cfg.vocab_size, cfg.target_hidden_size if cfg.owns_embeddings else cfg.hidden_size)
         if tuple(weight.shape) != expected:
             raise ValueError(f"embeddings are {tuple(weight.shape)}, the head needs {expected}")
+        if cfg.owns_embeddings:
+            return
         self.embed_tokens = None
         object.__setattr__(self, "_shared_embeddings", embeddings)
+
+    @torch.no_grad()
+    def project_target_embeddings(self, target_weight: torch.Tensor) -> None:
+        """Initialise the own table of a head of another width from the target's [vocab, H_target]: ``E @ P``
+        with ``P`` [H_target, H] the top-H right singular vectors of ``E`` (the rank-H linear map that keeps the most
+        of the table, truncated SVD; a wider head pads with zero columns). Deterministic and data-free: every token,
+        rare ones included, keeps the target's geometry in the kept directions.
+
+        Raises:
+            ValueError: a head as wide as its target (it shares the target's table), or a table not
+                [vocab_size, target_hidden_size].
+        """
+        cfg = self.config
+        if not cfg.owns_embeddings:
+            raise ValueError("the head is as wide as its target and shares its embeddings (set_embeddings)")
+        if tuple(target_weight.shape) != (cfg.vocab_size, cfg.target_hidden_size):
+            raise ValueError(f"target embeddings are {tuple(target_weight.shape)}, expected "
+                             f"{(cfg.vocab_size, cfg.target_hidden_size)}")
+        e = target_weight.detach().to("cpu", torch.float64)
+        _, vectors = torch.linalg.eigh(e.T @ e)  # ascending eigenvalues of the Gram matrix
+        k = min(cfg.hidden_size, cfg.target_hidden_size)
+        projected = torch.zeros(cfg.vocab_size, cfg.hidden_size, dtype=torch.float64)
+        projected[:, :k] = e @ vectors[:, -k:].flip(-1)
+        self.embed_tokens.weight.copy_(projected.to(self.embed_tokens.weight))
 
     def set_owned_embeddings(self, weight: torch.Tensor) -> None:
         """Own a frozen copy of an embedding table [vocab_size, hidden_size] (a checkpoint's ``embed_tokens``).

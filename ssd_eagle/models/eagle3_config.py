@@ -68,6 +68,31 @@ def _dtype_name(dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+def scaled_geometry(target: dict, hidden_size: int) -> dict:
+    """The midlayer geometry of a head ``hidden_size`` wide, scaled from the target's (``target``: the values
+    :meth:`Eagle3Config.from_target` copied): ``head_dim`` kept, ``num_attention_heads = hidden_size / head_dim``,
+    ``num_key_value_heads`` in the target's query/kv ratio, ``intermediate_size`` in the target's
+    intermediate/hidden ratio (rounded to a multiple of 64). For SmolLM2-135M (576 wide, 9/3 heads of 64, MLP 1536)
+    at 384: 6/2 heads of 64, MLP 1024.
+
+    Raises:
+        ValueError: ``hidden_size`` not a positive multiple of ``head_dim``, or a head count the kv ratio does
+            not divide.
+    """
+    head_dim, heads, kv = target["head_dim"], target["num_attention_heads"], target["num_key_value_heads"]
+    if hidden_size <= 0 or hidden_size % head_dim:
+        raise ValueError(f"hidden_size {hidden_size} must be a positive multiple of the target's head_dim "
+                         f"{head_dim} (or give num_attention_heads and head_dim explicitly)")
+    new_heads = hidden_size // head_dim
+    if (new_heads * kv) % heads:
+        raise ValueError(f"hidden_size {hidden_size}: {new_heads} query heads cannot keep the target's "
+                         f"{heads}/{kv} query/kv head ratio (give num_key_value_heads explicitly)")
+    ratio = target["intermediate_size"] / target["hidden_size"]
+    return {"hidden_size": hidden_size, "num_attention_heads": new_heads,
+            "num_key_value_heads": new_heads * kv // heads, "head_dim": head_dim,
+            "intermediate_size": max(64, round(hidden_size * ratio / 64) * 64)}
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # config
 
@@ -77,7 +102,9 @@ class Eagle3Config:
 
     Attributes:
         hidden_size, intermediate_size, num_attention_heads, num_key_value_heads, head_dim, rms_norm_eps,
-        hidden_act: the midlayer's Llama geometry (copied from the target by :meth:`from_target`).
+        hidden_act: the midlayer's Llama geometry (copied from the target by :meth:`from_target`). ``hidden_size``
+            H may be narrower or wider than the target's: such a head owns its token embeddings [vocab, H]
+            (:attr:`owns_embeddings`), as vLLM and SGLang load it.
         max_position_embeddings, rope_parameters: must equal the target's (transformers v5 ``rope_parameters``
             dict, with ``rope_type`` and ``rope_theta``).
         vocab_size: the target vocabulary (length of ``t2d``, of the shared embeddings).
@@ -127,6 +154,13 @@ class Eagle3Config:
     def dtype(self) -> torch.dtype:
         return getattr(torch, self.torch_dtype)
 
+    @property
+    def owns_embeddings(self) -> bool:
+        """True when H != H_target: the target's embeddings [vocab, H_target] cannot feed the head, which carries
+        its own ``embed_tokens`` [vocab, H] (SGLang's ``set_embed`` keeps a draft's own table then; vLLM keeps an
+        ``embed_tokens`` loaded from the checkpoint whose width differs from the target's)."""
+        return self.hidden_size != self.target_hidden_size
+
     @classmethod
     def from_target(cls, target_config, draft_vocab_size: int, aux_layer_ids: Iterable[int] | None = None,
                     **overrides) -> Eagle3Config:
@@ -136,7 +170,13 @@ class Eagle3Config:
             target_config: the target's ``PretrainedConfig`` (a multimodal one is reduced to its text config).
             draft_vocab_size: rows of ``lm_head`` (<= the target vocabulary).
             aux_layer_ids: input-of-layer ids; default :func:`ssd_eagle.model_runner.default_aux_layer_ids`.
-            overrides: any other field (e.g. ``intermediate_size``, ``torch_dtype``, ``saguaro_c``).
+            overrides: any other field (e.g. ``intermediate_size``, ``torch_dtype``, ``saguaro_c``). A
+                ``hidden_size`` other than the target's scales the geometry not overridden with it: the same
+                ``head_dim``, ``num_attention_heads = H / head_dim``, the target's query/kv head ratio and its
+                intermediate/hidden ratio (:func:`scaled_geometry`).
+
+        Raises:
+            ValueError: an unknown field; a width the target's geometry cannot be scaled to.
         """
         t = text_config(target_config)
         ids = tuple(aux_layer_ids) if aux_layer_ids is not None else default_aux_layer_ids(t.num_hidden_layers)
@@ -160,6 +200,9 @@ class Eagle3Config:
         unknown = set(overrides) - {f.name for f in fields(cls)}
         if unknown:
             raise ValueError(f"unknown Eagle3Config fields: {sorted(unknown)}")
+        width = overrides.get("hidden_size", t.hidden_size)
+        if width != t.hidden_size:
+            values.update(scaled_geometry(values, int(width)))
         values.update(overrides)
         return cls(**values)
 
@@ -183,20 +226,20 @@ class Eagle3Config:
     def validate_against_target(self, target_config) -> None:
         """Check that this head fits the target.
 
+        The head's own ``hidden_size`` may differ from the target's (:attr:`owns_embeddings`); ``fc``'s input
+        width ``target_hidden_size`` may not.
+
         Raises:
-            ValueError: naming every mismatched field: ``vocab_size``, ``target_hidden_size``, ``hidden_size`` (the
-                embeddings are the target's), ``rope_parameters``, ``max_position_embeddings``, ``aux_layer_ids``
-                (out of ``[0, L]`` or not distinct).
+            ValueError: naming every mismatched field: ``vocab_size``, ``target_hidden_size``, ``rope_parameters``,
+                ``max_position_embeddings``, ``aux_layer_ids`` (out of ``[0, L]`` or not distinct).
         """
         t = text_config(target_config)
         problems = []
         if self.vocab_size != t.vocab_size:
             problems.append(f"vocab_size: draft {self.vocab_size} != target {t.vocab_size}")
         if self.target_hidden_size != t.hidden_size:
-            problems.append(f"target_hidden_size: draft {self.target_hidden_size} != target {t.hidden_size}")
-        if self.hidden_size != t.hidden_size:
-            problems.append(f"hidden_size: draft {self.hidden_size} != target {t.hidden_size} "
-                            "(the draft shares the target's token embeddings)")
+            problems.append(f"target_hidden_size: draft {self.target_hidden_size} != target {t.hidden_size} "
+                            f"(fc reads 3 * target_hidden_size = {3 * self.target_hidden_size} features)")
         target_rope = rope_parameters_of(t)
         if normalize_rope_parameters(self.rope_parameters) != target_rope:
             problems.append(f"rope_parameters: draft {self.rope_parameters} != target {target_rope}")

@@ -68,12 +68,15 @@ def head_state_dict(model: Eagle3DraftModel, dtype: torch.dtype | None = None,
     """The head's tensors under checkpoint names (``docs/design.md`` section 5), on CPU, contiguous and unshared.
 
     Floating tensors are cast to ``dtype`` when given; ``d2t`` stays int64 and ``t2d`` bool. The owned
-    ``embed_tokens.weight`` is included only with ``include_embeddings`` (engines share the target's).
+    ``embed_tokens.weight`` is included with ``include_embeddings`` (engines share the target's), and always for a
+    head of another width than its target (``config.owns_embeddings``: vLLM and SGLang then use the checkpoint's
+    [vocab, H] table, since the target's cannot feed the head).
 
     Raises:
         ValueError: inconsistent ``d2t``/``t2d`` (never written).
     """
     check_vocab_mapping(model.d2t, model.t2d, model.config.vocab_size)
+    include_embeddings = include_embeddings or model.config.owns_embeddings
     out = {}
     for name, tensor in model.state_dict().items():
         if name == EMBED_NAME and not include_embeddings:
@@ -151,7 +154,8 @@ def save_eagle3(model: Eagle3DraftModel, out_dir: str | os.PathLike, dtype: torc
 
     Writes ``config.json`` (:func:`eagle3_config_dict`, ``tie_word_embeddings`` always false, ``torch_dtype`` =
     the written dtype) and ``model.safetensors`` (:func:`head_state_dict`: ``midlayer.*``, ``fc.weight``
-    [H, 3*H_target], ``norm.weight``, ``lm_head.weight`` [draft_vocab, H], ``d2t`` int64, ``t2d`` bool).
+    [H, 3*H_target], ``norm.weight``, ``lm_head.weight`` [draft_vocab, H], ``d2t`` int64, ``t2d`` bool, and
+    ``embed_tokens.weight`` [vocab, H] for a head of another width than its target).
     An existing ``out_dir`` is replaced.
 
     Args:
@@ -345,12 +349,14 @@ def load_eagle3(path: str | os.PathLike, target_config=None, strict: bool = True
 
     Returns:
         an :class:`Eagle3DraftModel` in eval mode; embeddings still to attach with ``set_embeddings`` unless the
-        checkpoint carried ``embed_tokens.weight``.
+        checkpoint carried ``embed_tokens.weight`` (always the case for a head of another width than its target,
+        ``hidden_size != target_hidden_size``: it runs on that table, as in vLLM and SGLang).
 
     Raises:
         FileNotFoundError: no config or weights.
         ValueError: missing tensors (listed) -- in particular no ``lm_head.weight`` (a head whose output layer would
-            come from the target is refused), or no ``d2t``/``t2d`` while ``draft_vocab_size < vocab_size``;
+            come from the target is refused), no ``embed_tokens.weight`` for a head of another width than its
+            target, or no ``d2t``/``t2d`` while ``draft_vocab_size < vocab_size``;
             unexpected tensors under ``strict`` (listed); tensor shapes that do not fit the config (listed); an
             inconsistent ``d2t``/``t2d`` pair; a config mismatch with the target.
     """
@@ -383,8 +389,12 @@ def load_eagle3(path: str | os.PathLike, target_config=None, strict: bool = True
         tensors["d2t"] = torch.zeros(cfg.draft_vocab_size, dtype=torch.long)
         tensors["t2d"] = torch.ones(cfg.vocab_size, dtype=torch.bool)
 
+    if cfg.owns_embeddings and EMBED_NAME not in tensors:
+        raise ValueError(f"{path}: no {EMBED_NAME} [{cfg.vocab_size}, {cfg.hidden_size}]; a head of width "
+                         f"hidden_size={cfg.hidden_size} != target_hidden_size={cfg.target_hidden_size} cannot use "
+                         "the target's embeddings and must carry its own")
     model = Eagle3DraftModel(cfg, attn_implementation=attn_implementation).to(cfg.dtype)
-    embed = tensors.pop(EMBED_NAME, None)
+    embed = None if cfg.owns_embeddings else tensors.pop(EMBED_NAME, None)
     expected = model.state_dict()
     missing = sorted(set(expected) - set(tensors))
     unexpected = sorted(set(tensors) - set(expected))
