@@ -1,13 +1,13 @@
 """The step-based decoding engine: requests in, rounds of draft-then-verify, outputs out.
 
 ``add_request`` queues a request; each ``step`` admits waiting requests into free cache slots, prefills prompt
-chunks within the step's token budget (:mod:`ssd_eagle.engine.scheduler`; the chunk that completes a prompt
-samples its first token), then runs one round for every running request together: the drafter proposes up to K
+chunks within the step's token budget (:mod:`ssd_eagle.engine.scheduler`; the drafter prefills each chunk
+after the target, and the chunk that completes a prompt samples its first token), then runs one round for every running request together: the drafter proposes up to K
 tokens per request, the target scores ``[last token, drafts]`` of all rows in one batched forward, and
 verification keeps the longest acceptable prefix plus a bonus token (:mod:`ssd_eagle.verify`). Autoregressive
 decoding is the same loop with no drafter (K = 0). A prompt prefix whose keys/values are in the prefix cache
-(:mod:`ssd_eagle.prefix_cache`) is copied into the slot instead of prefilled. The target's store is resized to
-the live requests after every step, so its memory follows them, not the longest request ever seen. Stopping
+(:mod:`ssd_eagle.prefix_cache`) is copied into the slot instead of prefilled. The target's store (and the drafts'
+stores, ``Drafter.fit_kv``) is resized to the live requests after every step, so its memory follows them, not the longest request ever seen. Stopping
 rules are applied token by token, so nothing past an EOS, a stop string, ``max_tokens`` or ``max_model_len`` is
 ever emitted, even inside an accepted block.
 
@@ -223,28 +223,20 @@ class LLMEngine:
     def _reuses_prefixes(self) -> bool:
         return self.prefix_cache is not None and self._local_target
 
-    def _fit_kv(self) -> None:  # (CUDA graphs pin the store's addresses)
-        self.scheduler.fit(self.target.kv, self.prefix_cache, resize=self.static is None and self._local_target)
+    def _fit_kv(self) -> None:  # (CUDA graphs pin the store's addresses); the drafts' stores follow the target's
+        shape = self.scheduler.fit(self.target.kv, self.prefix_cache, self.static is None and self._local_target)
+        self._call_drafter("fit_kv", *shape)
 
     def _release(self, seq: Sequence) -> None:
         if seq.slot >= 0:
             if self._reuses_prefixes:
-                self._cache_prefix(seq)
+                self.prefix_cache.save_sequence(seq, self.target.kv, self.needs_aux)
             self._call_drafter("remove_sequence", seq)
         self.scheduler.remove(seq)
         if self.planner is not None:
             self.planner.forget(seq.request_id)
         seq.prompt_aux = []
         self.requests.pop(seq.request_id, None)
-
-    def _cache_prefix(self, seq: Sequence) -> None:
-        """Offer the committed tokens of ``seq`` (the prompt only, when the drafter needs aux states: those of the
-        output are not kept) to the prefix cache."""
-        n = min(seq.num_cached, len(seq.token_ids))
-        aux = torch.cat(seq.prompt_aux) if self.needs_aux and seq.prompt_aux else None
-        if self.needs_aux:
-            n = min(n, len(aux) if aux is not None else 0)
-        self.prefix_cache.save(seq.token_ids[:n], self.target.kv, seq.slot, aux)
 
     def _call_drafter(self, method: str, *args, default=None):
         """Call the drafter unless it failed before; on an exception mark it unhealthy and return ``default``."""
@@ -285,6 +277,8 @@ class LLMEngine:
                 if finishing[row]:
                     last_logits[id(seq)] = out.logits[row, 0]
                 seq.num_cached += n
+                if not finishing[row]:  # the drafter prefills chunk by chunk too (the last with add_sequence)
+                    self._call_drafter("prefill", seq, seq.prompt_aux if self.needs_aux else None)
         elapsed = time.perf_counter() - start
         for seq in prefilled:
             seq.stats.prefill_time += elapsed
@@ -300,7 +294,7 @@ class LLMEngine:
             if self.needs_aux:
                 seq.prompt_aux = [torch.cat(seq.prompt_aux)]
             if self._reuses_prefixes:
-                self._cache_prefix(seq)
+                self.prefix_cache.save_sequence(seq, self.target.kv, self.needs_aux)
             if not seq.finished:
                 self._call_drafter("add_sequence", seq, seq.prompt_aux[0] if self.needs_aux else None)
         return ready

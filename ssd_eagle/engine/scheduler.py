@@ -73,15 +73,16 @@ class Scheduler:
         capacity = max((self.reservation(s) for s in self.running), default=POSITION_GRANULARITY)
         return rows, min(capacity, self.max_len)
 
-    def fit(self, kv: KVCache, prefixes: PrefixCache | None, resize: bool = True) -> None:
+    def fit(self, kv: KVCache, prefixes: PrefixCache | None, resize: bool = True) -> tuple[int, int]:
         """Resize the target's store ``kv`` to the running requests (unless ``resize`` is False: CUDA graphs pin
-        its addresses) and trim ``prefixes`` to what the KV budget leaves."""
+        its addresses; :meth:`KVCache.fit`) and trim ``prefixes`` to what the KV budget leaves. Returns the
+        :meth:`store_shape` (the drafts' stores follow it too)."""
         rows, capacity = self.store_shape()
         if resize:
-            kv.limit = capacity
-            kv.resize(rows, min(kv.capacity, capacity))
+            kv.fit(rows, capacity)
         if prefixes is not None and self.budget is not None:
-            prefixes.evict(self.budget - rows * capacity * kv.bytes_per_position)
+            prefixes.make_room(self.budget - rows * capacity * kv.bytes_per_position)
+        return rows, capacity
 
     def check_fits(self, seq: Sequence) -> None:
         """Raises ValueError (naming ``max_tokens`` and ``kv_cache_memory``) when ``seq`` alone would not fit."""
@@ -101,7 +102,7 @@ class Scheduler:
         if need > self.budget:
             return False
         if prefixes is not None:
-            prefixes.evict(self.budget - need)
+            prefixes.make_room(self.budget - need)
         return True
 
     # admission and release
