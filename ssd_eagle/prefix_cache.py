@@ -11,9 +11,9 @@ included.
 The cache is bounded in bytes and evicts least recently used blocks first. Under a KV budget
 (``kv_cache_memory``) its blocks count against that budget too, as vLLM's cached blocks live in the KV pool: the
 scheduler hands it the room the live requests leave (:meth:`PrefixCache.make_room`), so cached prefixes are the
-first to go when live requests need memory, and a save never holds more than that room. A lookup or insert refreshes a chain
-from its tail to its head, so a prefix's first block is always more recent than its later ones and eviction cuts
-chains from the tail, never orphaning a tail whose head is gone.
+first to go when live requests need memory, and a save never holds more than that room. A lookup or insert
+refreshes a chain from its tail to its head, so a prefix's first block is always more recent than its later ones
+and eviction cuts chains from the tail, never orphaning a tail whose head is gone.
 """
 
 from __future__ import annotations

@@ -13,7 +13,9 @@ Each step has a token budget, ``max_num_batched_tokens``: every decoding request
 ``max_draft_tokens`` drafts) counts first, and what is left goes to prompt chunks of the prefilling requests, in
 admission order, at most ``prefill_chunk`` tokens each, so a long prompt is prefilled a chunk per step while the
 running requests keep their rounds. A request whose prompt completes joins that step's round, so a step may pass
-the budget by that request's round.
+the budget by that request's round. The drafter prefills the same chunks after the target (an SD draft's forward,
+an SSD speculator's ADD message), so the budget bounds a step's draft prefill too, and the drafts' stores follow
+the same :meth:`Scheduler.store_shape` (:meth:`~ssd_eagle.kv_cache.KVCache.fit`).
 """
 
 from __future__ import annotations
