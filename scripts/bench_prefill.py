@@ -161,7 +161,7 @@ def engine_rss(engine: LLMEngine) -> float:
 
 def rss(model, tokenizer, args) -> None:
     for mode in modes(args):
-        for prefix in (False, True):
+        for prefix in {"both": (False, True), "off": (False,), "on": (True,)}[args.prefix_caching]:
             engine = mode_engine(model, tokenizer, args, mode, max_num_seqs=8, enable_prefix_caching=prefix)
             try:
                 request_rss(engine, tokenizer, args, f"{mode}, prefix cache {'on ' if prefix else 'off'}")
@@ -221,6 +221,8 @@ def main() -> None:
     ap.add_argument("--answer-tokens", type=int, default=32, help="ttft: first turn's answer length")
     ap.add_argument("--long-tokens", type=int, default=5000, help="gap, rss: the long prompt's length")
     ap.add_argument("--max-num-batched-tokens", type=int, default=512)
+    ap.add_argument("--prefix-caching", default="both", choices=["both", "off", "on"], help="rss: with and/or "
+                    "without the prefix cache")
     ap.add_argument("--modes", default="ar", help="gap, rss: comma-separated engine modes (ar, sd, ssd)")
     ap.add_argument("--drafter", default="eagle3", choices=["eagle3", "draft_model"],
                     help="gap, rss: the committed draft SD and SSD use")
