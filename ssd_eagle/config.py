@@ -198,8 +198,9 @@ class EngineConfig(ConfigModel):
                                         "requests' rounds first, then prompt chunks (vLLM's chunked prefill)")
     enable_prefix_caching: bool = Field(True, description="reuse the cached keys/values of prompt prefixes shared "
                                         "with earlier requests (system prompt, earlier turns)")
-    prefix_cache_memory: float = Field(0.25, gt=0.0, allow_inf_nan=False, description="GiB the prefix cache may "
-                                       "hold (least recently used blocks are evicted beyond it)")
+    prefix_cache_memory: float = Field(0.0625, gt=0.0, allow_inf_nan=False, description="GiB the prefix cache "
+                                       "may hold, within what kv_cache_memory leaves (least recently used blocks "
+                                       "are evicted beyond it)")
     kv_cache_memory: float | None = Field(None, gt=0.0, allow_inf_nan=False, description="GiB budget of the "
                                           "target's KV store plus the prefix cache; requests wait for room, one "
                                           "that can never fit is refused (None: unbounded)")

@@ -43,8 +43,9 @@ class KVCache:
             forward needs more, so a large batch does not double its memory for one long sequence, but never past
             ``limit`` unless a forward needs it.
 
-    :meth:`resize` reallocates the store to fewer rows (the slots ``0 .. num_rows-1`` in use) or positions, so its
-    memory follows the live sequences instead of the longest one ever seen.
+    :meth:`resize` reallocates the store to fewer rows (the slots ``0 .. num_rows-1`` in use) or positions, and
+    :meth:`fit` does so for the live sequences' needs, so its memory follows them instead of the longest one ever
+    seen (the target's store and the drafts' stores alike).
 
     Raises:
         ValueError: a forward needs more than ``max_len`` positions.
@@ -88,7 +89,20 @@ class KVCache:
         if needed > self.max_len:
             raise ValueError(f"a forward needs {needed} cache positions but max_len is {self.max_len}")
         grown = min(-(-max(needed, self.capacity * 5 // 4) // 256) * 256, self.max_len)
-        self.resize(self.num_rows, max(needed, min(grown, self.limit)))
+        past_limit = min(-(-needed // 256) * 256, self.max_len)  # (whole growth steps: no realloc per round)
+        self.resize(self.num_rows, max(past_limit, min(grown, self.limit)))
+
+    def fit(self, num_rows: int, capacity: int, limit: int | None = None) -> None:
+        """Follow the live sequences: keep the rows ``0 .. num_rows-1`` (their highest slot + 1), shrink to at most
+        ``capacity`` positions (never grows them here: :meth:`reserve` does on demand) and grow no further than
+        ``limit`` (default ``capacity``; clamped to ``[capacity, max_len]``) unless a forward needs it.
+
+        Raises:
+            ValueError: ``num_rows`` not in ``[1, num_slots]`` or ``capacity`` < 1.
+        """
+        capacity = min(capacity, self.max_len)
+        self.limit = min(max(limit or capacity, capacity), self.max_len)
+        self.resize(num_rows, min(self.capacity, capacity))
 
     def resize(self, num_rows: int, capacity: int) -> None:
         """Reallocate every layer to ``[num_rows, kv_heads, capacity, head_dim]``, keeping what fits (slots past

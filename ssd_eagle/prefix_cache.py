@@ -8,9 +8,12 @@ block holds, for its positions, the keys and values of every layer and, when the
 target's aux hidden states: a drafter's ``add_sequence`` takes the aux states of the whole prompt, cached part
 included.
 
-The cache is bounded in bytes and evicts least recently used blocks first. A lookup or insert refreshes a chain
-from its tail to its head, so a prefix's first block is always more recent than its later ones and eviction cuts
-chains from the tail, never orphaning a tail whose head is gone.
+The cache is bounded in bytes and evicts least recently used blocks first. Under a KV budget
+(``kv_cache_memory``) its blocks count against that budget too, as vLLM's cached blocks live in the KV pool: the
+scheduler hands it the room the live requests leave (:meth:`PrefixCache.make_room`), so cached prefixes are the
+first to go when live requests need memory, and a save never holds more than that room. A lookup or insert
+refreshes a chain from its tail to its head, so a prefix's first block is always more recent than its later ones
+and eviction cuts chains from the tail, never orphaning a tail whose head is gone.
 """
 
 from __future__ import annotations
@@ -61,6 +64,12 @@ class PrefixCache:
         self.block_size = block_size
         self.blocks: OrderedDict[bytes, Block] = OrderedDict()  # least recently used first
         self.nbytes = 0
+        self.room: int | None = None  # what the KV budget leaves the cache (None: no budget), see make_room
+
+    @property
+    def bound(self) -> int:
+        """The most bytes the cache may hold now: ``max_bytes``, or less when the KV budget leaves less room."""
+        return self.max_bytes if self.room is None else max(0, min(self.max_bytes, self.room))
 
     def __len__(self) -> int:
         return len(self.blocks)
@@ -98,7 +107,7 @@ class PrefixCache:
         Evicts least recently used blocks to stay within ``max_bytes``."""
         keys = self.hashes(tokens)
         new = [i for i, key in enumerate(keys) if key not in self.blocks]
-        if new:
+        if new and self.bound > 0:
             bs, first = self.block_size, new[0]
             data = kv.read(slot, first * bs, len(keys) * bs)
             for i in new:
@@ -107,8 +116,24 @@ class PrefixCache:
                               else None)
                 self.blocks[keys[i]] = block
                 self.nbytes += block.nbytes
-        self._refresh(keys)
-        self.evict(self.max_bytes)
+        self._refresh([key for key in keys if key in self.blocks])
+        self.evict(self.bound)
+
+    def save_sequence(self, seq, kv: KVCache, needs_aux: bool) -> None:
+        """Offer the committed tokens of ``seq`` (an engine :class:`~ssd_eagle.engine.sequence.Sequence` in cache
+        slot ``seq.slot`` of ``kv``; the prompt only when ``needs_aux``: the aux states of an output are not
+        kept) to the cache."""
+        n = min(seq.num_cached, len(seq.token_ids))
+        aux = torch.cat(seq.prompt_aux) if needs_aux and seq.prompt_aux else None
+        if needs_aux:
+            n = min(n, len(aux) if aux is not None else 0)
+        self.save(seq.token_ids[:n], kv, seq.slot, aux)
+
+    def make_room(self, room: int) -> None:
+        """The KV budget leaves ``room`` bytes to cached prefixes: evict down to it (least recently used first)
+        and keep later saves within it."""
+        self.room = room
+        self.evict(self.bound)
 
     def evict(self, max_bytes: int) -> None:
         """Drop least recently used blocks until at most ``max_bytes`` are held."""

@@ -1,18 +1,86 @@
 """Chunked prefill (a per-step token budget, vLLM's chunked prefill) on tiny float64 targets: the same greedy tokens
 as the target's own decode for every chunk size and mode (AR, n-gram / draft-model / EAGLE-3 SD, SSD), running
-requests keep their rounds while a long prompt is prefilled, and a drafter receives the whole prompt's aux states
-once, when the prompt is cached."""
+requests keep their rounds while a long prompt is prefilled, a drafter receives the whole prompt's aux states
+once, when the prompt is cached, and the drafts (SD drafters, the SSD speculator through chunked ADD messages)
+prefill chunk by chunk too, to the same draft cache and the same proposals."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from helpers import reference_greedy
+from helpers import eagle3_head_for, noisy_copy, reference_greedy
 from serving_helpers import KINDS, K, RecordingAuxDrafter, build_engine, long_prompts, make_target
+from ssd_eagle.config import EngineConfig, SpeculativeConfig
+from ssd_eagle.engine.factory import build
 from ssd_eagle.engine.llm import LLM
 from ssd_eagle.engine.llm_engine import LLMEngine
 from ssd_eagle.sampling_params import SamplingParams
+from ssd_eagle.ssd import protocol as p
+
+DRAFTED = ["draft", "eagle3", "ssd", "ssd_eagle3"]
+
+
+class WireSpeculator:
+    """An in-process speculator whose ADD messages go through the wire codec (what a remote speculator gets)."""
+
+    def __init__(self, local):
+        self.local, self.adds = local, []
+
+    def add(self, seq: p.NewSequence) -> None:
+        seq = p.decode_add(p.encode_add(seq))
+        self.adds.append((seq.start, len(seq.token_ids), seq.done))
+        self.local.add(seq)
+
+    def __getattr__(self, name):
+        return getattr(self.local, name)
+
+
+def drafted_engine(kind: str, target, tokenizer, **engine_args) -> LLMEngine:
+    """``build_engine``'s SD kinds, and SSD (draft model or EAGLE-3 head) with its ADDs on the wire codec."""
+    if not kind.startswith("ssd"):
+        return build_engine(kind, target, tokenizer, **engine_args)
+    eagle = kind == "ssd_eagle3"
+    spec = SpeculativeConfig(method="eagle3" if eagle else "draft_model", model="in-memory",
+                             num_speculative_tokens=K, fanout=[2], speculator="local")
+    cfg = EngineConfig(model="in-memory", mode="ssd", max_num_seqs=2, max_model_len=512, speculative_config=spec)
+    draft = eagle3_head_for(target, draft_vocab=257) if eagle else noisy_copy(target, 0.02)
+    drafter = build(cfg, target, tokenizer=tokenizer, draft=draft).drafter
+    drafter.speculator = WireSpeculator(drafter.speculator)
+    return LLMEngine(target, tokenizer, drafter, num_speculative_tokens=K, max_num_seqs=2, max_model_len=512,
+                     **engine_args)
+
+
+def draft_backend(engine: LLMEngine):
+    drafter = engine.drafter
+    return drafter.speculator.local.speculator.backend if hasattr(drafter, "speculator") else drafter.backend
+
+
+def record_prefills(engine: LLMEngine) -> list[int]:
+    """Positions each draft prefill call caches (the draft backend's, wherever it runs)."""
+    backend, sizes = draft_backend(engine), []
+    prefill = backend.prefill
+
+    def recording(slot, token_ids, aux, start=0, end=None, pending=None):
+        sizes.append((len(token_ids) - 1 if end is None else end) - start)
+        return prefill(slot, token_ids, aux, start, end, pending)
+
+    backend.prefill = recording
+    return sizes
+
+
+def record_proposals(engine: LLMEngine) -> dict[str, list[list[int]]]:
+    drafter, proposals = engine.drafter, {}
+    propose = drafter.propose
+
+    def recording(seqs, num_tokens):
+        out = propose(seqs, num_tokens)
+        for seq, prop in zip(seqs, out):
+            proposals.setdefault(seq.request_id, []).append(prop.tokens)
+        return out
+
+    drafter.propose = recording
+    return proposals
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -37,11 +105,13 @@ def test_chunked_prefill_gives_the_targets_greedy_tokens(kind, budget, chunk, by
     assert max(widths) == min(budget, chunk, 150)  # the budget bounds every forward, and is used
 
 
-@pytest.mark.parametrize("kind", ["ar", "draft"])
+@pytest.mark.parametrize("kind", ["ar", "draft", "eagle3", "ssd"])
 def test_a_running_request_advances_while_a_long_prompt_is_prefilled(kind, byte_tokenizer):
     target = make_target()
     budget = 16
-    engine = build_engine(kind, target, byte_tokenizer, max_num_batched_tokens=budget, enable_prefix_caching=False)
+    engine = drafted_engine(kind, target, byte_tokenizer, max_num_batched_tokens=budget,
+                            enable_prefix_caching=False)
+    prefills = record_prefills(engine) if kind != "ar" else []
     params = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
     engine.add_request("short", [5, 6, 7], params)
     engine.step()
@@ -51,12 +121,15 @@ def test_a_running_request_advances_while_a_long_prompt_is_prefilled(kind, byte_
     short, long = engine.requests["short"], engine.requests["long"]
     steps = 0
     while long.num_output_tokens == 0:
-        before_out, before_cached = short.num_output_tokens, long.num_cached
+        before_out, before_cached, before_prefills = short.num_output_tokens, long.num_cached, len(prefills)
         engine.step()
         steps += 1
         assert short.num_output_tokens > before_out, "the running request lost its round"
         if long.prefilling:
             assert long.num_cached - before_cached <= budget - 1
+        # the draft prefills at most this step's chunk (the last one with the first token)
+        assert sum(prefills[before_prefills:]) <= budget - 1
+    assert kind == "ar" or sum(prefills) >= 300
     assert steps >= 300 // (budget - 1), "the long prompt was not chunked"
     while engine.has_unfinished():
         engine.step()
@@ -79,3 +152,28 @@ def test_the_drafter_gets_the_whole_prompt_aux_once_the_prompt_is_cached(byte_to
         ref_ids, ref_aux = added[512][rid]
         assert ids == ref_ids and aux.shape == (len(ids) - 1, 3 * target.config.hidden_size)
         torch.testing.assert_close(aux, ref_aux, rtol=0, atol=1e-10)
+
+
+@pytest.mark.parametrize("kind", DRAFTED)
+def test_drafts_prefill_chunk_by_chunk_to_the_same_proposals(kind, byte_tokenizer):
+    target = make_target()
+    prompts = long_prompts(seed=4, lengths=(230, 20))
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    runs = {}
+    for budget in (512, 24):
+        engine = drafted_engine(kind, target, byte_tokenizer, max_num_batched_tokens=budget,
+                                enable_prefix_caching=False)
+        sizes, proposals = record_prefills(engine), record_proposals(engine)
+        outs = LLM(engine=engine).generate(prompts, params)
+        runs[budget] = proposals
+        for prompt, out in zip(prompts, outs):
+            assert out.token_ids == reference_greedy(target, prompt, 10, eos=set())
+        if budget == 512:  # one prefill per prompt, its whole length but the sampled token
+            assert sorted(sizes) == [20, 230]
+        else:  # in chunks within the budget, covering each prompt exactly once
+            assert max(sizes) <= budget and sum(sizes) == 250 and len(sizes) >= 230 // budget
+        if kind.startswith("ssd"):  # one ADD per chunk, in order, the last one done
+            adds = engine.drafter.speculator.adds
+            assert sum(n - done for _, n, done in adds) == 250 and sum(done for *_, done in adds) == 2
+            assert len(adds) == (2 if budget == 512 else len(sizes))
+    assert runs[24] == runs[512] and any(any(p) for p in runs[24].values())

@@ -1,6 +1,7 @@
-"""Bounded KV memory: the target's store follows the live requests (it shrinks back after a long one), admission
-reserves prompt + max_tokens + one round against ``kv_cache_memory`` (requests that do not fit now wait, one that
-never fits is refused naming the field), and cached prefixes give way to live requests."""
+"""Bounded KV memory: the target's store and the drafts' stores (SD drafters, the SSD speculator) follow the live
+requests (they shrink back after a long one), admission reserves prompt + max_tokens + one round against
+``kv_cache_memory`` (requests that do not fit now wait, one that never fits is refused naming the field), and
+cached prefixes count against that budget and give way to live requests."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import pytest
 
 from helpers import make_tiny_llama, reference_greedy
 from serving_helpers import build_engine, long_prompts
+from ssd_eagle.prefix_cache import PrefixCache
 from ssd_eagle.engine.scheduler import GIB
 from ssd_eagle.kv_cache import KVCache
 from ssd_eagle.sampling_params import SamplingParams
@@ -92,3 +94,60 @@ def test_resize_keeps_the_contents_that_fit():
     torch.testing.assert_close(kv.read(1, 0, 300), before, rtol=0, atol=0)
     with pytest.raises(ValueError, match="resize"):
         kv.resize(4, 300)
+
+
+@pytest.mark.parametrize("kind", ["draft", "eagle3", "ssd"])
+def test_the_drafts_stores_shrink_back_after_a_long_request(kind, byte_tokenizer):
+    target = make_tiny_llama(seed=4)
+    engine = build_engine(kind, target, byte_tokenizer, max_num_seqs=2, enable_prefix_caching=False)
+    drafter = engine.drafter
+    kv = (drafter.speculator.speculator if kind == "ssd" else drafter).backend.kv
+    engine.add_request("warm", [1, 2, 3], SamplingParams(temperature=0.0, max_tokens=4))
+    run(engine)
+    idle = kv.nbytes
+    assert idle == 256 * kv.bytes_per_position  # one row of one growth step (from num_slots + 1 rows)
+    engine.add_request("long", long_prompts(seed=1, lengths=(400,))[0], SamplingParams(max_tokens=8))
+    engine.add_request("short", [4, 5], SamplingParams(temperature=0.0, max_tokens=60))
+    peak = []
+    while engine.has_unfinished():
+        engine.step()
+        peak.append(kv.nbytes)
+    assert max(peak) >= 2 * 400 * kv.bytes_per_position
+    assert kv.nbytes == idle
+
+
+def test_cached_prefixes_count_against_the_budget_and_give_way_to_live_requests(byte_tokenizer):
+    target = make_tiny_llama(seed=4)
+    budget = 2 * 512 * POSITION
+    engine = build_engine("ar", target, byte_tokenizer, max_num_seqs=2, kv_cache_memory=budget / GIB,
+                          prefix_cache_memory=1.0)
+    first, a, b = long_prompts(seed=3, lengths=(300, 200, 210))
+    engine.add_request("first", first, SamplingParams(temperature=0.0, max_tokens=4))
+    run(engine)
+    cached = engine.prefix_cache.nbytes
+    assert cached >= 4 * 64 * POSITION  # its 4 full blocks stay while the store is idle (1 row x 512)
+    # two requests reserving 512 positions each fill the budget: the cached prefix goes, nobody waits
+    for rid, prompt in (("a", a), ("b", b)):
+        engine.add_request(rid, prompt, SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True))
+    engine.step()
+    assert [s.request_id for s in engine.running] == ["a", "b"] and not engine.waiting
+    assert engine.prefix_cache.nbytes == 0 and engine.kv_cache_usage[0] <= budget
+    while engine.has_unfinished():
+        engine.step()
+        assert engine.kv_cache_usage[0] <= budget  # a finished request's prefix is saved only within the room
+
+
+def test_a_save_keeps_within_the_room_the_budget_leaves():
+    import torch
+
+    kv = KVCache(2, 1, 2, 4, 1024, torch.float64, "cpu")
+    kv.reserve(256)
+    block = 64 * kv.bytes_per_position
+    cache = PrefixCache(max_bytes=10 * block)
+    cache.make_room(2 * block)
+    cache.save(list(range(256)), kv, 0, None)  # 4 full blocks offered, room for 2
+    assert cache.nbytes == 2 * block and cache.bound == 2 * block
+    cache.make_room(0)
+    assert len(cache) == 0
+    cache.save(list(range(256)), kv, 0, None)
+    assert len(cache) == 0

@@ -3,7 +3,8 @@
 A backend owns a draft model and its :class:`~ssd_eagle.kv_cache.KVCache` (one slot per sequence) and offers
 three operations, all of them stateless about sequences (the callers keep the bookkeeping):
 
-- ``prefill(slot, token_ids, aux)``: cache every committed token but the last;
+- ``prefill(slot, token_ids, aux, start, end, pending)``: cache every committed token but the last, or (chunked)
+  the token positions ``start .. end-1``;
 - ``extend(slots, chunks, starts, features)``: a causal forward over new tokens per row (ragged), returning the
   draft's prediction after each row's last token (a chain's next token, or a tree's root distribution);
 - ``step(slots, tokens, positions, write, visible, features)``: one forward over B rows of n tokens with explicit
@@ -74,12 +75,16 @@ class DraftBackend(ABC):
     static: StaticForward | None = None
 
     @abstractmethod
-    def prefill(self, slot: int, token_ids: list[int], aux: torch.Tensor | None) -> torch.Tensor | None:
-        """Cache every committed token but the last (``token_ids`` = prompt + first sampled token). Returns the
-        features not yet fed (EAGLE-3: the last token's, float [1, H]), or None.
+    def prefill(self, slot: int, token_ids: list[int], aux: torch.Tensor | None, start: int = 0,
+                end: int | None = None, pending: torch.Tensor | None = None) -> torch.Tensor | None:
+        """Cache the token positions ``start .. end-1`` (default: every committed token but the last, ``token_ids``
+        = prompt + first sampled token); a prompt prefilled chunk by chunk calls it per chunk, ``start`` the
+        previous ``end``. ``aux`` (EAGLE-3): the target's aux states of those positions [end - start, 3 * H_target];
+        ``pending``: what the previous chunk's call returned. Returns the features not yet fed (EAGLE-3: position
+        ``end - 1``'s, float [1, H], paired with the next token), or None.
 
         Raises:
-            ValueError: an EAGLE-3 draft without ``aux``."""
+            ValueError: an EAGLE-3 draft without ``aux``, or a later chunk without ``pending``."""
 
     @abstractmethod
     def run(self, batch: ForwardBatch, features: torch.Tensor | None,
@@ -182,9 +187,11 @@ class DraftLMBackend(DraftBackend):
         self.vocab_size = model.get_output_embeddings().weight.shape[0]
         self.use_fixed_shapes(fixed_shapes)
 
-    def prefill(self, slot: int, token_ids: list[int], aux=None) -> None:
-        if len(token_ids) > 1:
-            batch = ForwardBatch.causal([token_ids[:-1]], [slot], [0], self.dtype, self.device)
+    def prefill(self, slot: int, token_ids: list[int], aux=None, start: int = 0, end: int | None = None,
+                pending=None) -> None:
+        end = len(token_ids) - 1 if end is None else end
+        if end > start:
+            batch = ForwardBatch.causal([token_ids[start:end]], [slot], [start], self.dtype, self.device)
             self.runner.forward(batch, compute_logits=False)
         return None
 
@@ -217,16 +224,20 @@ class Eagle3Backend(DraftBackend):
         return self.head.fuse(aux.to(device=self.device, dtype=self.dtype))
 
     @torch.inference_mode()
-    def prefill(self, slot: int, token_ids: list[int], aux: torch.Tensor | None) -> torch.Tensor:
-        if aux is None:
-            raise ValueError("an EAGLE-3 draft needs the target's aux hidden states of the prompt")
-        fused = self.fuse(aux)  # features of token positions 0 .. N-2 (pairs with tokens 1 .. N-1)
-        n = fused.shape[0]
-        if n > 1:  # pairs (f_i, x_{i+1}) for i < n-1 go to the cache; the last stays pending
-            batch = ForwardBatch.causal([token_ids[1:n]], [slot], [0], self.dtype, self.device)
-            self.head(batch.input_ids, fused[None, : n - 1], batch.position_ids, batch.attn_mask,
-                      self.kv.bind(batch))
-        return fused[n - 1:]
+    def prefill(self, slot: int, token_ids: list[int], aux: torch.Tensor | None, start: int = 0,
+                end: int | None = None, pending: torch.Tensor | None = None) -> torch.Tensor:
+        if aux is None or (start > 0 and pending is None):
+            raise ValueError("an EAGLE-3 draft needs the target's aux hidden states of the prompt (and, after the "
+                             "first chunk, the features the previous chunk left pending)")
+        end = len(token_ids) - 1 if end is None else end
+        fused = self.fuse(aux)  # features of token positions start .. end-1
+        if start > 0:
+            fused = torch.cat([pending, fused])  # from start - 1: position t's entry is the pair (f_{t-1}, x_t)
+        first = max(start, 1)  # token position 0 has no entry (no feature before it)
+        if end > first:  # pairs (f_{t-1}, x_t) for first <= t < end go to the cache; the last feature stays pending
+            batch = ForwardBatch.causal([token_ids[first:end]], [slot], [first - 1], self.dtype, self.device)
+            self.head(batch.input_ids, fused[None, :-1], batch.position_ids, batch.attn_mask, self.kv.bind(batch))
+        return fused[-1:]
 
     @torch.inference_mode()
     def run(self, batch: ForwardBatch, features: torch.Tensor, logits_index=None) -> DraftOut:

@@ -2,9 +2,10 @@
 
 The engine drives a drafter through a sequence's life:
 
-1. ``add_sequence(seq, prompt_aux)`` after the target's prefill sampled the first output token. ``prompt_aux``
+1. ``prefill(seq, aux)`` after each prompt chunk but the last that the target cached (chunked prefill), then
+   ``add_sequence(seq, prompt_aux)`` after the target's prefill sampled the first output token. ``prompt_aux``
    holds the target's aux hidden states for the prompt positions (only for drafters with
-   ``needs_aux_hidden``).
+   ``needs_aux_hidden``); a drafter feeds there what its ``prefill`` calls have not.
 2. Each round: ``propose(seqs, num_tokens)`` returns one :class:`Proposal` per sequence, at most
    ``num_tokens[i]`` tokens continuing ``seqs[i].token_ids``; then the target verifies and the engine calls
    ``on_verified(seq, k, aux)`` with the accepted length k and the aux hidden states of the k + 1 verified inputs
@@ -77,6 +78,10 @@ class Drafter(ABC):
     healthy: bool = True  # False after a failure: the engine then decodes without drafts
     error: str | None = None
 
+    def prefill(self, seq, aux: list[torch.Tensor] | None) -> None:
+        """The target has cached the prompt positions ``0 .. seq.num_cached - 1`` (not the whole prompt yet);
+        ``aux``: their aux states in pieces (``seq.prompt_aux``, float [n_i, 3 * H_target]) or None."""
+
     def add_sequence(self, seq, prompt_aux: torch.Tensor | None) -> None:
         """Start tracking ``seq`` (its ``token_ids`` = prompt + first sampled token)."""
 
@@ -90,6 +95,10 @@ class Drafter(ABC):
 
     def remove_sequence(self, seq) -> None:
         """Forget ``seq``."""
+
+    def fit_kv(self, num_rows: int, capacity: int) -> None:
+        """The live requests need cache rows ``0 .. num_rows-1`` and at most ``capacity`` positions each (the
+        target's store shape): a drafter with its own store shrinks it to that (:meth:`KVCache.fit`)."""
 
     def close(self) -> None:
         """Release resources (processes, caches)."""

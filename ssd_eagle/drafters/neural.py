@@ -1,6 +1,9 @@
 """SD with a neural draft (a draft LM or an EAGLE-3 head): the engine's drafter over a
 :class:`~ssd_eagle.drafters.backends.DraftBackend`.
 
+A prompt is prefilled chunk by chunk as the target caches it (:meth:`NeuralDrafter.prefill`; ``add_sequence`` feeds
+the last chunk), and the draft's store follows the live requests (:meth:`NeuralDrafter.fit_kv`).
+
 Per sequence the drafter keeps ``num_cached``, the first token position whose draft cache entry is not valid for
 the committed text, and for EAGLE-3 the fused target features still to feed (``pending``, of token positions
 ``num_cached .. len(token_ids) - 1``). A round: one :meth:`~DraftBackend.extend` over the committed tokens not yet
@@ -51,6 +54,18 @@ def draft_from_committed(backend: DraftBackend, seqs: list, num_cached: list[int
     return draft_chain(b.chain_feed(slots, [n - b.offset for n in lengths]), logits, hidden, seqs, budgets, saguaro)
 
 
+def last_rows(pieces: list[torch.Tensor], n: int) -> torch.Tensor:
+    """The last ``n`` rows of ``torch.cat(pieces)``, concatenating only the pieces they lie in (a prompt's aux
+    states arrive in chunks; a drafter prefilling them chunk by chunk takes the new ones)."""
+    tail, rows = [], 0
+    for piece in reversed(pieces):
+        if rows >= n:
+            break
+        tail.append(piece)
+        rows += piece.shape[0]
+    return torch.cat(tail[::-1])[rows - n:] if len(tail) > 1 else tail[0][rows - n:]
+
+
 @dataclass
 class _State:
     num_cached: int  # first token position whose draft cache entry is not valid for the committed text
@@ -77,12 +92,25 @@ class NeuralDrafter(Drafter):
         self.tree = tree
         self.states: dict[str, _State] = {}
 
+    def prefill(self, seq, aux: list[torch.Tensor] | None) -> None:
+        st = self.states.setdefault(seq.request_id, _State(0))
+        new = last_rows(aux, seq.num_cached - st.num_cached) if self.backend.needs_aux else None
+        st.pending = self.backend.prefill(seq.slot, seq.token_ids, new, st.num_cached, seq.num_cached, st.pending)
+        st.num_cached = seq.num_cached
+
     def add_sequence(self, seq, prompt_aux: torch.Tensor | None) -> None:
-        pending = self.backend.prefill(seq.slot, seq.token_ids, prompt_aux)
-        self.states[seq.request_id] = _State(len(seq.token_ids) - 1, pending)
+        st = self.states.setdefault(seq.request_id, _State(0))  # (prefill fed the chunks before the last)
+        end = len(seq.token_ids) - 1
+        new = prompt_aux[st.num_cached:] if self.backend.needs_aux else None
+        st.pending = self.backend.prefill(seq.slot, seq.token_ids, new, st.num_cached, end, st.pending)
+        st.num_cached = end
 
     def remove_sequence(self, seq) -> None:
         self.states.pop(seq.request_id, None)
+
+    def fit_kv(self, num_rows: int, capacity: int) -> None:
+        if self.backend.static is None:  # (fixed shapes write padding rows into the last slot)
+            self.backend.kv.fit(num_rows, capacity)
 
     @torch.inference_mode()
     def propose(self, seqs: list, num_tokens: list[int]) -> list[Proposal]:

@@ -1,15 +1,16 @@
 """The step-based decoding engine: requests in, rounds of draft-then-verify, outputs out.
 
 ``add_request`` queues a request; each ``step`` admits waiting requests into free cache slots, prefills prompt
-chunks within the step's token budget (:mod:`ssd_eagle.engine.scheduler`; the chunk that completes a prompt
-samples its first token), then runs one round for every running request together: the drafter proposes up to K
-tokens per request, the target scores ``[last token, drafts]`` of all rows in one batched forward, and
-verification keeps the longest acceptable prefix plus a bonus token (:mod:`ssd_eagle.verify`). Autoregressive
-decoding is the same loop with no drafter (K = 0). A prompt prefix whose keys/values are in the prefix cache
-(:mod:`ssd_eagle.prefix_cache`) is copied into the slot instead of prefilled. The target's store is resized to
-the live requests after every step, so its memory follows them, not the longest request ever seen. Stopping
-rules are applied token by token, so nothing past an EOS, a stop string, ``max_tokens`` or ``max_model_len`` is
-ever emitted, even inside an accepted block.
+chunks within the step's token budget (:mod:`ssd_eagle.engine.scheduler`; the drafter prefills each chunk after
+the target, and the chunk that completes a prompt samples its first token), then runs one round for every running
+request together: the drafter proposes up to K tokens per request, the target scores ``[last token, drafts]`` of
+all rows in one batched forward, and verification keeps the longest acceptable prefix plus a bonus token
+(:mod:`ssd_eagle.verify`). Autoregressive decoding is the same loop with no drafter (K = 0). A prompt prefix whose
+keys/values are in the prefix cache (:mod:`ssd_eagle.prefix_cache`) is copied into the slot instead of prefilled.
+The target's store and the drafts' (``Drafter.fit_kv``) are resized to the live requests after every step, so
+their memory follows them, not the longest request ever seen. Stopping rules are applied token by token, so
+nothing past an EOS, a stop string, ``max_tokens`` or ``max_model_len`` is ever emitted, even inside an accepted
+block.
 
 A drafter that raises is marked unhealthy (``drafter.healthy = False``) and never called again: every request
 continues with ordinary decoding, losing nothing. Greedy rows are verified by argmax match, sampled rows by rejection sampling with the exact q the drafter sampled
@@ -61,7 +62,8 @@ class LLMEngine:
         max_num_batched_tokens: tokens one step forwards: the rounds of running requests first, then prompt
             chunks (vLLM's chunked prefill; see :mod:`ssd_eagle.engine.scheduler`).
         enable_prefix_caching: reuse cached keys/values (and aux states) of prompt prefixes, in blocks of 64 tokens.
-        prefix_cache_memory: GiB the prefix cache may hold.
+        prefix_cache_memory: GiB the prefix cache may hold (and no more than the KV budget leaves; 64 MiB keeps a
+            long request's RSS within 1.1x of a warm server's: scripts/bench_prefill.py rss).
         kv_cache_memory: GiB budget of the target's KV store plus the prefix cache (None: unbounded). Admission
             reserves prompt + max_tokens + one round per request; requests that do not fit now wait.
 
@@ -73,7 +75,7 @@ class LLMEngine:
                  max_num_seqs: int = 8, max_model_len: int | None = None, eos_token_ids: set[int] | None = None,
                  seed: int = 0, prefill_chunk: int = 512, max_draft_tokens: int | None = None,
                  cuda_graphs: bool = True, compile: bool = False, max_num_batched_tokens: int = 512,
-                 enable_prefix_caching: bool = True, prefix_cache_memory: float = 0.25,
+                 enable_prefix_caching: bool = True, prefix_cache_memory: float = 0.0625,
                  kv_cache_memory: float | None = None):
         from ssd_eagle.assets import eos_token_ids as model_eos_ids
 
@@ -223,28 +225,20 @@ class LLMEngine:
     def _reuses_prefixes(self) -> bool:
         return self.prefix_cache is not None and self._local_target
 
-    def _fit_kv(self) -> None:  # (CUDA graphs pin the store's addresses)
-        self.scheduler.fit(self.target.kv, self.prefix_cache, resize=self.static is None and self._local_target)
+    def _fit_kv(self) -> None:  # (CUDA graphs pin the store's addresses); the drafts' stores follow the target's
+        shape = self.scheduler.fit(self.target.kv, self.prefix_cache, self.static is None and self._local_target)
+        self._call_drafter("fit_kv", *shape)
 
     def _release(self, seq: Sequence) -> None:
         if seq.slot >= 0:
             if self._reuses_prefixes:
-                self._cache_prefix(seq)
+                self.prefix_cache.save_sequence(seq, self.target.kv, self.needs_aux)
             self._call_drafter("remove_sequence", seq)
         self.scheduler.remove(seq)
         if self.planner is not None:
             self.planner.forget(seq.request_id)
         seq.prompt_aux = []
         self.requests.pop(seq.request_id, None)
-
-    def _cache_prefix(self, seq: Sequence) -> None:
-        """Offer the committed tokens of ``seq`` (the prompt only, when the drafter needs aux states: those of the
-        output are not kept) to the prefix cache."""
-        n = min(seq.num_cached, len(seq.token_ids))
-        aux = torch.cat(seq.prompt_aux) if self.needs_aux and seq.prompt_aux else None
-        if self.needs_aux:
-            n = min(n, len(aux) if aux is not None else 0)
-        self.prefix_cache.save(seq.token_ids[:n], self.target.kv, seq.slot, aux)
 
     def _call_drafter(self, method: str, *args, default=None):
         """Call the drafter unless it failed before; on an exception mark it unhealthy and return ``default``."""
@@ -285,6 +279,8 @@ class LLMEngine:
                 if finishing[row]:
                     last_logits[id(seq)] = out.logits[row, 0]
                 seq.num_cached += n
+                if not finishing[row]:  # the drafter prefills chunk by chunk too (the last with add_sequence)
+                    self._call_drafter("prefill", seq, seq.prompt_aux if self.needs_aux else None)
         elapsed = time.perf_counter() - start
         for seq in prefilled:
             seq.stats.prefill_time += elapsed
@@ -300,7 +296,7 @@ class LLMEngine:
             if self.needs_aux:
                 seq.prompt_aux = [torch.cat(seq.prompt_aux)]
             if self._reuses_prefixes:
-                self._cache_prefix(seq)
+                self.prefix_cache.save_sequence(seq, self.target.kv, self.needs_aux)
             if not seq.finished:
                 self._call_drafter("add_sequence", seq, seq.prompt_aux[0] if self.needs_aux else None)
         return ready

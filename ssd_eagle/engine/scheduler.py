@@ -13,7 +13,9 @@ Each step has a token budget, ``max_num_batched_tokens``: every decoding request
 ``max_draft_tokens`` drafts) counts first, and what is left goes to prompt chunks of the prefilling requests, in
 admission order, at most ``prefill_chunk`` tokens each, so a long prompt is prefilled a chunk per step while the
 running requests keep their rounds. A request whose prompt completes joins that step's round, so a step may pass
-the budget by that request's round.
+the budget by that request's round. The drafter prefills the same chunks after the target (an SD draft's forward,
+an SSD speculator's ADD message), so the budget bounds a step's draft prefill too, and the drafts' stores follow
+the same :meth:`Scheduler.store_shape` (:meth:`~ssd_eagle.kv_cache.KVCache.fit`).
 """
 
 from __future__ import annotations
@@ -73,15 +75,16 @@ class Scheduler:
         capacity = max((self.reservation(s) for s in self.running), default=POSITION_GRANULARITY)
         return rows, min(capacity, self.max_len)
 
-    def fit(self, kv: KVCache, prefixes: PrefixCache | None, resize: bool = True) -> None:
+    def fit(self, kv: KVCache, prefixes: PrefixCache | None, resize: bool = True) -> tuple[int, int]:
         """Resize the target's store ``kv`` to the running requests (unless ``resize`` is False: CUDA graphs pin
-        its addresses) and trim ``prefixes`` to what the KV budget leaves."""
+        its addresses; :meth:`KVCache.fit`) and trim ``prefixes`` to what the KV budget leaves. Returns the
+        :meth:`store_shape` (the drafts' stores follow it too)."""
         rows, capacity = self.store_shape()
         if resize:
-            kv.limit = capacity
-            kv.resize(rows, min(kv.capacity, capacity))
+            kv.fit(rows, capacity)
         if prefixes is not None and self.budget is not None:
-            prefixes.evict(self.budget - rows * capacity * kv.bytes_per_position)
+            prefixes.make_room(self.budget - rows * capacity * kv.bytes_per_position)
+        return rows, capacity
 
     def max_new_tokens(self, num_prompt_tokens: int) -> int | None:
         """The largest ``max_tokens`` whose :meth:`reservation` alone fits the KV budget (may be < 1), or None when
@@ -109,7 +112,7 @@ class Scheduler:
         if need > self.budget:
             return False
         if prefixes is not None:
-            prefixes.evict(self.budget - need)
+            prefixes.make_room(self.budget - need)
         return True
 
     # admission and release

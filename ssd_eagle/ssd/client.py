@@ -22,6 +22,7 @@ import torch
 import torch.multiprocessing as mp
 
 from ssd_eagle.drafters.base import Drafter, Proposal
+from ssd_eagle.drafters.neural import last_rows
 from ssd_eagle.ssd import protocol as p
 from ssd_eagle.ssd import transport as t
 from ssd_eagle.ssd.speculator import SpecRequest
@@ -37,7 +38,7 @@ class LocalSpeculator:
         self.speculator = build_speculator(settings, draft)
 
     def add(self, seq: p.NewSequence) -> None:
-        self.speculator.add(seq.slot, seq.token_ids, seq.params, seq.seed, seq.aux)
+        self.speculator.add(seq.slot, seq.token_ids, seq.params, seq.seed, seq.aux, seq.start, seq.done)
 
     def propose(self, requests: list[SpecRequest]) -> list[Proposal]:
         replies = self.speculator.propose(requests)
@@ -239,6 +240,7 @@ class SSDDrafter(Drafter):
         self.error: str | None = None
         self._outcome: dict[str, tuple[int, int, torch.Tensor | None, list[int]]] = {}
         self._registered: set[str] = set()
+        self._sent: dict[str, int] = {}  # prompt tokens already sent of the sequences still prefilling
 
     def _fail(self, err: Exception) -> None:
         # the speculator's own account (e.g. hung, then killed) over the broken link's
@@ -258,17 +260,29 @@ class SSDDrafter(Drafter):
         """Replace a failed speculator by a fresh one (call from the engine's thread, between steps): requests
         already running go on without speculation (the new speculator never saw them), new ones use it."""
         old, self.speculator = self.speculator, speculator
-        self._registered, self._outcome = set(), {}
+        self._registered, self._outcome, self._sent = set(), {}, {}
         self.healthy, self.error = True, None
         old.close()
 
+    def prefill(self, seq, aux) -> None:
+        """Send the prompt chunk the target just cached (one ADD per chunk: the speculator prefills it meanwhile)."""
+        sent = self._sent.get(seq.request_id, 0)
+        new = last_rows(aux, seq.num_cached - sent) if aux is not None else None
+        self._add(seq, sent, seq.token_ids[sent: seq.num_cached], new, False)
+
     def add_sequence(self, seq, prompt_aux) -> None:
+        sent = self._sent.pop(seq.request_id, 0)
+        self._add(seq, sent, seq.token_ids[sent:], None if prompt_aux is None else prompt_aux[sent:], True)
+
+    def _add(self, seq, start: int, tokens: list[int], aux, done: bool) -> None:
         if not self.healthy:
             return
-        seed = int(torch.randint(0, 2**62, (1,), generator=seq.draft_generator))
+        seed = int(torch.randint(0, 2**62, (1,), generator=seq.draft_generator)) if start == 0 else 0
         try:
-            self.speculator.add(p.NewSequence(seq.slot, seq.token_ids, seq.params, seed, prompt_aux))
+            self.speculator.add(p.NewSequence(seq.slot, tokens, seq.params, seed, aux, start, done))
             self._registered.add(seq.request_id)
+            if not done:
+                self._sent[seq.request_id] = start + len(tokens)
         except t.SpeculatorUnavailable as err:
             self._fail(err)
 
@@ -297,6 +311,7 @@ class SSDDrafter(Drafter):
 
     def remove_sequence(self, seq) -> None:
         self._outcome.pop(seq.request_id, None)
+        self._sent.pop(seq.request_id, None)
         if seq.request_id in self._registered:
             self._registered.discard(seq.request_id)
             if self.healthy:

@@ -4,8 +4,8 @@ A message is a command and at most two flat payloads: int64 words and floats (th
 verifier's). :class:`~ssd_eagle.ssd.transport.Channel` sends the header ``[PROTOCOL_VERSION, command, n_ints,
 n_floats]`` and then the payloads as plain tensors (no pickling on the hot path). Layouts, in int64 words:
 
-    ADD       ints   [slot, seed, top_k, greedy, n, tokens[n]]
-              floats [temperature, top_p, aux[(n - 1) * W]]              (aux of the prompt: EAGLE-3 only)
+    ADD       ints   [slot, seed, top_k, greedy, start, done, n, tokens[n]]   (token positions start .. start+n-1)
+              floats [temperature, top_p, aux[(n - done) * W]]           (their aux states: EAGLE-3 only)
     PROPOSE   ints   [rows, W, per row: slot, k, bonus, budget; then every row's k accepted tokens]
               floats [aux[(k + 1) * W] of every row with k >= 0]         (W = 0: no aux)
     REPLY     ints   [rows, per row: hit, lookup_k, m, has_q, is_tree, tokens[m], parents[m] if is_tree]
@@ -16,7 +16,10 @@ n_floats]`` and then the payloads as plain tensors (no pickling on the hot path)
     SHUTDOWN  empty
     ERROR     empty: the speculator failed to answer; the verifier falls back to ordinary decoding
 
-``k = -1`` is the first round after ADD (no lookup); ``hit`` and ``lookup_k`` are -1 for None. A reply is a
+A prompt prefilled in chunks goes in one ADD per chunk, in order (``start`` = the tokens sent before; the first
+chunk, ``start = 0``, starts the sequence and alone uses its seed and sampling fields); the last has ``done = 1``:
+its last token is the first sampled one, which has no aux state yet, and the sequence then decodes.
+``k = -1`` is the first round after the last ADD (no lookup); ``hit`` and ``lookup_k`` are -1 for None. A reply is a
 :class:`~ssd_eagle.drafters.base.Proposal` (its ``cache_hit`` is the ``hit`` word; ``hidden`` stays on the
 speculator's side). Decoded tensors are copies:
 they outlive the channel's receive buffers.
@@ -31,7 +34,7 @@ import torch
 from ssd_eagle.drafters.base import Proposal
 from ssd_eagle.sampling_params import SamplingParams
 
-PROTOCOL_VERSION = 2  # 1: the unversioned layout before this module (no aux width, float statistics)
+PROTOCOL_VERSION = 3  # 2: one ADD per sequence; 1: the unversioned layout (no aux width, float statistics)
 ADD, PROPOSE, REPLY, REMOVE, STATS, SHUTDOWN, ERROR = range(1, 8)
 
 
@@ -46,14 +49,17 @@ class Message:
 
 @dataclass
 class NewSequence:
-    """What ADD carries: a sequence the speculator starts tracking (``token_ids`` = prompt + first token, ``aux``
-    float [n - 1, W] of the prompt positions or None)."""
+    """What ADD carries: the token positions ``start .. start+n-1`` of a sequence the speculator tracks (the whole
+    sequence when ``start = 0`` and ``done``: prompt + first token) and ``aux``, float [n - done, W] of them or None.
+    ``done``: the prompt is complete (its last token is the first sampled one)."""
 
     slot: int
     token_ids: list[int]
     params: SamplingParams
     seed: int
     aux: torch.Tensor | None = None
+    start: int = 0
+    done: bool = True
 
 
 def _none_as(value, empty: int = -1) -> int:
@@ -66,8 +72,8 @@ def _as_none(word: int):
 
 # ADD
 def encode_add(seq: NewSequence) -> Message:
-    ints = torch.tensor([seq.slot, seq.seed, seq.params.top_k, int(seq.params.greedy), len(seq.token_ids),
-                         *seq.token_ids])
+    ints = torch.tensor([seq.slot, seq.seed, seq.params.top_k, int(seq.params.greedy), seq.start, int(seq.done),
+                         len(seq.token_ids), *seq.token_ids])
     floats = torch.tensor([seq.params.temperature, seq.params.top_p], dtype=torch.float64)
     if seq.aux is not None:
         floats = torch.cat([floats, seq.aux.detach().reshape(-1).to("cpu", torch.float64)])
@@ -75,11 +81,11 @@ def encode_add(seq: NewSequence) -> Message:
 
 
 def decode_add(msg: Message) -> NewSequence:
-    slot, seed, top_k, greedy, n = msg.ints[:5].tolist()
+    slot, seed, top_k, greedy, start, done, n = msg.ints[:7].tolist()
     temperature, top_p = msg.floats[:2].tolist()
-    aux = msg.floats[2:].clone().view(n - 1, -1) if msg.floats.numel() > 2 else None
+    aux = msg.floats[2:].clone().view(n - done, -1) if msg.floats.numel() > 2 else None
     params = SamplingParams(temperature=0.0 if greedy else temperature, top_p=top_p, top_k=top_k, max_tokens=1)
-    return NewSequence(slot, msg.ints[5: 5 + n].tolist(), params, seed, aux)
+    return NewSequence(slot, msg.ints[7: 7 + n].tolist(), params, seed, aux, start, bool(done))
 
 
 # PROPOSE

@@ -138,16 +138,35 @@ class Speculator:
 
     # sequence lifetime
     def add(self, slot: int, token_ids: list[int], params: SamplingParams, seed: int,
-            aux: torch.Tensor | None = None) -> None:
-        """Start a sequence: ``token_ids`` = prompt + first sampled token; ``aux`` = the target's aux states of the
-        prompt (EAGLE-3)."""
-        seq = _Seq(slot, list(token_ids), params, torch.Generator(self.backend.device).manual_seed(seed))
-        seq.pending = self.backend.prefill(slot, seq.token_ids, aux)
-        seq.num_cached = len(token_ids) - 1
-        self.seqs[slot] = seq
+            aux: torch.Tensor | None = None, start: int = 0, done: bool = True) -> None:
+        """Start a sequence (``start = 0``) or go on with its prompt, prefilled chunk by chunk as it arrives:
+        ``token_ids`` are its token positions ``start ..``, ``aux`` their target aux states (EAGLE-3); ``done``: the
+        last token is the first sampled one (no aux state yet). Raises ValueError for a chunk out of order."""
+        if start == 0:
+            self.seqs[slot] = _Seq(slot, [], params, torch.Generator(self.backend.device).manual_seed(seed))
+        seq = self.seqs[slot]
+        if start != len(seq.token_ids):
+            raise ValueError(f"a prompt chunk of slot {slot} starts at {start}, after {len(seq.token_ids)} tokens")
+        seq.token_ids.extend(token_ids)
+        if start == 0:  # (a new slot may need a row)
+            self._fit_kv()
+        end = len(seq.token_ids) - 1 if done else len(seq.token_ids)
+        seq.pending = self.backend.prefill(slot, seq.token_ids, aux, seq.num_cached, end, seq.pending)
+        seq.num_cached = end
 
     def remove(self, slot: int) -> None:
         self.seqs.pop(slot, None)
+        self._fit_kv()
+
+    def _fit_kv(self) -> None:
+        """The draft's store follows the live sequences (KVCache.fit): the longest one plus a round's branches."""
+        kv = self.backend.kv
+        if self.backend.static is not None:  # (fixed shapes write padding rows into the last slot)
+            return
+        width = max(sum(self.fanout), sum(self.fanout_miss)) + 1
+        branches = width * (self.K + 1 + (self.tree.depth * self.tree.topk if self.tree is not None else 0))
+        need = max((len(s.token_ids) for s in self.seqs.values()), default=0) + branches
+        kv.fit(max(self.seqs, default=0) + 1, -(-need // 256) * 256, limit=kv.max_len)
 
     # a round
     @torch.inference_mode()

@@ -124,7 +124,7 @@ def serve(speculator, channel: t.Channel, intervals: list[float]) -> None:
             sent = None
         if msg.command == p.ADD:
             seq = p.decode_add(msg)
-            speculator.add(seq.slot, seq.token_ids, seq.params, seq.seed, seq.aux)
+            speculator.add(seq.slot, seq.token_ids, seq.params, seq.seed, seq.aux, seq.start, seq.done)
         elif msg.command == p.REMOVE:
             speculator.remove(p.decode_remove(msg))
         elif msg.command == p.STATS:
