@@ -78,9 +78,9 @@ def test_a_slow_draft_caps_its_branches_fits_the_budget_and_stays_lossless(byte_
     builds = []  # (seconds, cache entries built)
     build = speculator.build
 
-    def timed_build(*args):
+    def timed_build(*args, **kwargs):
         start = time.perf_counter()
-        build(*args)
+        build(*args, **kwargs)
         builds.append((time.perf_counter() - start, max((len(s.cache) for s in speculator.seqs.values()), default=0)))
 
     speculator.build = timed_build

@@ -10,13 +10,45 @@ measures
   tree-masked forward over all branches), modelled as ``a + b * n`` seconds for ``n`` branches (the padded
   ``rows * branches per row``) and fitted by exponentially weighted least squares,
 
-and caps the branches it builds (best candidates kept first) with :func:`branch_cap`.
+and caps the branches it builds (best candidates kept first) with :func:`branch_cap`. A build that still runs when
+the verifier's next outcome arrives (or past an in-process speculator's deadline) stops at the next branch-step
+boundary (:class:`BuildStop`): the outcome is answered at once and the unfinished branches are dropped.
 """
 
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass
+from typing import Callable
+
+
+class BuildInterrupted(Exception):
+    """Raised by :meth:`BuildStop.check` at a branch-step boundary: the build stops there."""
+
+
+@dataclass
+class BuildStop:
+    """When a build stops early; :meth:`check` runs before every draft forward of a build (chains and trees).
+
+    Attributes:
+        poll: returns True once the verifier's next message has arrived (the worker's link), or None.
+        deadline: a ``time.perf_counter()`` value (seconds) past which the build stops, or None.
+    """
+
+    poll: Callable[[], bool] | None = None
+    deadline: float | None = None
+
+    def due(self) -> bool:
+        if self.poll is not None and self.poll():
+            return True
+        return self.deadline is not None and time.perf_counter() >= self.deadline
+
+    def check(self) -> None:
+        """Raises:
+            BuildInterrupted: when the build is due to stop."""
+        if self.due():
+            raise BuildInterrupted
 
 
 def branch_cap(budget_s: float, fixed_s: float, steps: float, forward_s: float, per_branch_s: float,
@@ -78,13 +110,16 @@ class BuildBudget:
     def observe_verify(self, seconds: float) -> None:
         self.verify_s = seconds if self.verify_s is None else self.verify_s + self.alpha * (seconds - self.verify_s)
 
-    def observe_build(self, fixed_s: float, branches: int, steps: int, branch_s: float) -> None:
-        """One build: ``fixed_s`` before the branches, then ``steps`` forwards over ``branches`` in ``branch_s``."""
+    def observe_build(self, fixed_s: float, branches: int, steps: int, branch_s: float, complete: bool = True) -> None:
+        """One build: ``fixed_s`` before the branches, then ``steps`` forwards over ``branches`` in ``branch_s``.
+        An interrupted build (``complete=False``) still measures the cost of a forward, not the steps a build takes."""
         self._builds += 1
         if steps <= 0 or branches <= 0 or self._builds == 1:
             return
         t = branch_s / steps
-        self.fixed_s, self.steps = self._ema(self.fixed_s, fixed_s), self._ema(self.steps, steps)
+        if complete or not self._seen:
+            self.steps = self._ema(self.steps, steps)
+        self.fixed_s = self._ema(self.fixed_s, fixed_s)
         self._n, self._t = self._ema(self._n, branches), self._ema(self._t, t)
         self._nn, self._nt = self._ema(self._nn, branches * branches), self._ema(self._nt, branches * t)
         self._seen = True
