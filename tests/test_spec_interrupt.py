@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import exact_law, make_tiny_llama, noisy_copy, pooled_chisquare, random_prompts
+from helpers import exact_law, make_tiny_llama, noisy_copy, pooled_chisquare, random_prompts, reference_greedy
 from ssd_eagle.engine.llm import LLM
 from ssd_eagle.sampling_params import SamplingParams
 from ssd_eagle.ssd.client import SpeculatorLink
@@ -105,19 +105,21 @@ def test_a_backup_after_an_interrupted_build_drafts_what_it_drafts_after_a_full_
 
 class SlowBuildSteps:
     """Wraps a draft backend's ``step``: sleeps ``delay`` seconds first while a build runs (backups stay fast);
-    ``longest`` is the longest forward (``step`` or ``forward``) a build ran, in seconds."""
+    ``longest`` is the longest forward (``step`` or ``forward``) a build ran, ``builds`` every build's duration
+    (seconds)."""
 
     def __init__(self, speculator, delay: float):
         backend = speculator.backend
-        self.delay, self.building, self.longest = delay, False, 0.0
+        self.delay, self.building, self.longest, self.builds = delay, False, 0.0, []
         build, step, forward = speculator.build, backend.step, backend.forward
 
         def timed_build(*args, **kwargs):
-            self.building = True
+            self.building, start = True, time.perf_counter()
             try:
                 return build(*args, **kwargs)
             finally:
                 self.building = False
+                self.builds.append(time.perf_counter() - start)
 
         def timed(method, sleep):
             def call(*args, **kwargs):
@@ -186,3 +188,20 @@ def test_an_outcome_arriving_mid_build_is_answered_within_one_branch_step(byte_t
     shown = ([round(x, 3) for x in late], slow.longest)
     assert late[int(0.9 * (len(late) - 1))] <= slow.longest + step_s / 2, shown
     assert late[-1] < (K - 1) * step_s, shown
+
+
+def test_an_in_process_build_stops_at_its_deadline(byte_tokenizer):
+    """LocalSpeculator(build_seconds=...): a build whose K slow steps overrun the deadline stops at the first step
+    boundary past it; the greedy output stays the target's."""
+    step_s, deadline_s = 0.03, 0.05
+    target = make_tiny_llama(seed=3)
+    engine = ssd_engine(target, noisy_copy(target, 0.02), byte_tokenizer, max_num_seqs=1)
+    local = engine.drafter.speculator
+    local.build_seconds = deadline_s
+    slow = SlowBuildSteps(local.speculator, step_s)
+    prompts = random_prompts(2, seed=4)
+    outs = LLM(engine=engine).generate(prompts, SamplingParams(temperature=0.0, max_tokens=16))
+    for prompt, out in zip(prompts, outs):
+        assert out.token_ids == reference_greedy(target, prompt, 16)
+    assert local.speculator.stats.interrupted == local.speculator.stats.builds > 0  # a full build: >= K * step_s
+    assert max(slow.builds) <= deadline_s + slow.longest + step_s, (slow.builds, slow.longest)
