@@ -15,6 +15,7 @@ import torch
 from helpers import exact_law, make_tiny_llama, noisy_copy, pooled_chisquare, random_prompts, reference_greedy
 from ssd_eagle.engine.llm import LLM
 from ssd_eagle.sampling_params import SamplingParams
+from ssd_eagle.ssd.budget import BuildBudget
 from ssd_eagle.ssd.client import SpeculatorLink
 from ssd_eagle.ssd.speculator import SpecRequest
 from ssd_eagle.ssd.worker import SpeculatorSettings, build_speculator, serve
@@ -33,6 +34,7 @@ class StopAtCheck:
 
     def wrap(self, speculator) -> None:
         build = speculator.build
+        speculator.budget.worth_finishing = lambda remaining_s: False  # stop whenever told (the rule: below)
 
         def build_with_poll(*args, **kwargs):
             self.builds, self.checks = self.builds + 1, 0
@@ -84,6 +86,7 @@ def test_a_backup_after_an_interrupted_build_drafts_what_it_drafts_after_a_full_
     runs = []
     for interrupt in (False, True):
         spec = _speculator(draft)
+        spec.budget.worth_finishing = lambda remaining_s: False
         spec.add(0, [5, 6, 7, 8, 9], greedy, seed=0)
         first = spec.propose([SpecRequest(0, -1, 0, K)])[0].tokens
         spec.build()
@@ -101,6 +104,22 @@ def test_a_backup_after_an_interrupted_build_drafts_what_it_drafts_after_a_full_
         runs.append((first, second.tokens, third.tokens, spec.stats.interrupted))
     assert runs[0][:3] == runs[1][:3]
     assert (runs[0][3], runs[1][3]) == (0, 1)
+
+
+def test_a_build_is_finished_only_when_that_answers_sooner_on_average():
+    budget = BuildBudget()
+    assert not budget.worth_finishing(0.0)  # nothing measured yet: stop
+    budget.observe_backup(10e-3)
+    assert not budget.worth_finishing(0.0)  # no build measured yet: stop
+    budget.observe_build(1.0, 10, 4, 1.0)  # (warm-up: not observed)
+    budget.observe_build(2e-3, 10, 4, 4 * 1e-3)  # 1 ms a forward over 10 branches, proportional
+    assert budget.hits_after_full / budget.lookups_after_full == 0.5  # the prior
+    assert budget.worth_finishing(4e-3) and not budget.worth_finishing(6e-3)  # R < p B = 5 ms
+    for hit in (True, True, True, True, True, True, False, False):  # p = (1 + 6) / (2 + 8) = 0.7
+        budget.observe_lookup(hit)
+    assert budget.worth_finishing(6.9e-3) and not budget.worth_finishing(7.1e-3)
+    assert budget.remaining_s(3, 10) == pytest.approx(3e-3)
+    assert budget.remaining_s(4, 10, fixed=True) == pytest.approx(6e-3)
 
 
 class SlowBuildSteps:
@@ -197,7 +216,7 @@ def test_an_in_process_build_stops_at_its_deadline(byte_tokenizer):
     target = make_tiny_llama(seed=3)
     engine = ssd_engine(target, noisy_copy(target, 0.02), byte_tokenizer, max_num_seqs=1)
     local = engine.drafter.speculator
-    local.build_seconds = deadline_s
+    local.build_seconds = deadline_s  # (a deadline stops the build whatever finishing would pay)
     slow = SlowBuildSteps(local.speculator, step_s)
     prompts = random_prompts(2, seed=4)
     outs = LLM(engine=engine).generate(prompts, SamplingParams(temperature=0.0, max_tokens=16))

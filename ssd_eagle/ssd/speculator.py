@@ -60,6 +60,7 @@ class _Seq:
     proposal: Proposal | None = None  # the last reply, with the draft's outputs (EAGLE-3)
     path_base: int = 0  # len(token_ids) when the proposal was made
     fed: bool = False  # whether a build's forward has cached the proposal (an interrupted build may not have)
+    built: bool = False  # whether the last build ran to its end
     cache: dict[tuple[tuple[int, ...], int], Proposal] = field(default_factory=dict)
     candidates: dict[tuple[int, ...], list[int]] = field(default_factory=dict)  # per accepted path, best first
 
@@ -149,13 +150,16 @@ class Speculator:
             else:
                 misses.append(i)
                 replies[i] = Proposal([], cache_hit=hit, lookup_k=lookup_k)
-            seq.cache, seq.candidates = {}, {}
+            seq.cache, seq.candidates, seq.built = {}, {}, False
             self._to_build.append((seq, hit is False))
         if misses:
             fast = self.backup == "fast" or (self.backup == "auto" and len(requests) >= self.fast_backup_batch)
             rows = [self.seqs[requests[i].slot] for i in misses]
             budgets = [requests[i].budget for i in misses]
+            before = time.perf_counter()
             drafts = self._fast_backup(rows, budgets) if fast else self._neural_backup(rows, budgets)
+            if not fast:
+                self.budget.observe_backup(time.perf_counter() - before)
             for i, seq, draft in zip(misses, rows, drafts):
                 replies[i] = self._reply(seq, draft, replies[i].cache_hit, replies[i].lookup_k)
         return replies
@@ -184,6 +188,8 @@ class Speculator:
         self.stats.lookups += 1
         hit = (path, bonus) in seq.cache
         self.stats.hits += hit
+        if seq.built:
+            self.budget.observe_lookup(hit)
         return hit
 
     def _reply(self, seq: _Seq, draft: Proposal, hit: bool | None, lookup_k: int | None) -> Proposal:
@@ -235,6 +241,8 @@ class Speculator:
         try:
             if rows:
                 self._build_rows(rows, start)
+                for seq, _ in rows:
+                    seq.built = True
         except BuildInterrupted:
             self.stats.interrupted += 1
             return False
@@ -246,6 +254,8 @@ class Speculator:
 
     def _build_rows(self, rows: list[tuple[_Seq, bool]], start: float) -> None:
         seqs = [s for s, _ in rows]
+        steps = self.K if self.tree is None else self.tree.depth  # branch forwards of a build (trees: about)
+        self._stop.finish = lambda: self.budget.worth_finishing(self.budget.remaining_s(steps, fixed=True))
         self._stop.check()
         node_logits, node_hidden, node_kv = self._proposal_forward(seqs)
         for seq in seqs:
@@ -263,12 +273,15 @@ class Speculator:
             branches = [sorted(row, key=lambda br: br["rank"])[: max(cap // len(rows), cap > 0)] for row in branches]
         if any(branches):
             fixed, before, complete = time.perf_counter() - start, self.backend.forwards, False
+            n = len(rows) * max(map(len, branches))
+            self._stop.finish = lambda: self.budget.worth_finishing(
+                self.budget.remaining_s(steps - (self.backend.forwards - before), n))
             try:
                 (self._draft_branch_trees if self.tree is not None else self._draft_branch_chains)(seqs, branches)
                 complete = True
             finally:
-                self.budget.observe_build(fixed, len(rows) * max(map(len, branches)), self.backend.forwards - before,
-                                          time.perf_counter() - start - fixed, complete)
+                self.budget.observe_build(fixed, n, self.backend.forwards - before, time.perf_counter() - start - fixed,
+                                          complete)
 
     def _proposal_forward(self, seqs: list[_Seq]):
         """One tree-masked forward per row over the uncached committed tokens (a chain ending at the root, the
