@@ -226,11 +226,11 @@ class Speculator:
         """Pre-draft the next proposal for every predicted outcome of the rows of the last :meth:`propose`, at most
         ``self.budget.cap()`` branches (the padded rows x branches per row; best candidates kept first).
 
-        The build stops before its next draft forward once ``poll()`` returns True (the verifier's next message
-        arrived: the worker's link) or ``time.perf_counter()`` passes ``deadline`` (seconds; an in-process
-        speculator). Unfinished branches are dropped: only a branch drafted to its end enters the cache, and what
-        the dropped ones wrote lies past the committed text, where no later forward looks. Returns whether the
-        build ran to its end."""
+        It stops before its next draft forward once ``poll()`` returns True (the verifier's next message arrived,
+        unless finishing answers sooner on average: ``BuildBudget.worth_finishing``) or ``time.perf_counter()``
+        passes ``deadline`` (seconds). Unfinished branches are dropped: only a branch drafted to its end enters the
+        cache; what the dropped ones wrote lies past the committed text, where no later forward looks. Returns
+        whether the build ran to its end."""
         start = time.perf_counter()
         self._stop = BuildStop(poll, deadline)
         rows = [(s, missed) for s, missed in self._to_build if s.slot in self.seqs and s.proposal is not None]
