@@ -135,9 +135,11 @@ class BuildBudget:
 
     def worth_finishing(self, remaining_s: float) -> bool:
         """Whether finishing a build with ``remaining_s`` seconds left is expected to answer the waiting outcome
-        sooner than the backup now: ``R < p B`` (p: the hit rate after finished builds; B: the backup's time;
-        False while B or the build's cost is unmeasured)."""
-        if self.backup_s is None or not self._seen:
+        sooner than the backup now: ``R < p B`` (p: the hit rate after finished builds; B: the backup's time).
+        Until a build was measured (the first two) it finishes, as builds did before they could be stopped."""
+        if not self._seen:
+            return True
+        if self.backup_s is None:
             return False
         return remaining_s < self.hits_after_full / self.lookups_after_full * self.backup_s
 
