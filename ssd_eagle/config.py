@@ -35,6 +35,18 @@ def _as_list(value):
 Fanout = Annotated[list[Annotated[int, Field(ge=0)]], BeforeValidator(_as_list), Field(min_length=1)]
 
 
+def _power(value):
+    """``fanout_power``: a number r > 0, or "auto"."""
+    if value == "auto":
+        return value
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ValueError("must be a number > 0 or 'auto'")
+    return float(value)
+
+
+Power = Annotated[float | Literal["auto"], BeforeValidator(_power)]
+
+
 class SpeculativeConfig(ConfigModel):
     """What drafts and how much (vLLM's ``speculative_config`` keys, plus Saguaro's); each field's description
     says what it means.
@@ -65,7 +77,10 @@ class SpeculativeConfig(ConfigModel):
         "and fanout_power r; see ssd_eagle.ssd.fanout)")
     fanout_budget: int = Field(24, description="branches per sequence for the uniform and geometric strategies")
     fanout_acceptance: float = Field(0.7, description="a, the draft's acceptance rate (geometric)")
-    fanout_power: float = Field(1.0, description="r, the power of the geometric fan-out")
+    fanout_power: Power = Field(
+        1.0, description="r > 0, the power of the geometric fan-out (and of the tree fan-out), or auto: the "
+        "speculator fits r from its bonus ranks after 50 lookups and re-makes the geometric fan-out (needs "
+        "fanout_strategy geometric, or a tree)")
     fanout_miss: list[int] | None = Field(None, description="a separate F_0..F_K after a cache miss (None: the same)")
     backup: Literal["neural", "fast", "auto"] = Field(
         "neural", description="SSD's backup speculator on a cache miss: neural, fast (n-gram) or auto (fast from "
@@ -92,6 +107,9 @@ class SpeculativeConfig(ConfigModel):
             raise ValueError("speculative_config.prompt_lookup_min/prompt_lookup_max must satisfy 1 <= min <= max")
         if self.tree_budget and self.method == "ngram":
             raise ValueError("speculative_config.tree_budget needs a neural draft (draft_model or eagle3)")
+        if self.fanout_power == "auto" and self.fanout_strategy != "geometric" and not self.tree_budget:
+            raise ValueError("speculative_config.fanout_power 'auto' re-fits a geometric fan-out: it needs "
+                             "fanout_strategy 'geometric' (or tree_budget > 0)")
         return self
 
     def tree_settings(self):
@@ -136,7 +154,8 @@ class SpeculativeConfig(ConfigModel):
         if self.fanout_strategy == "uniform":
             return uniform_fanout(self.fanout_budget, K)
         if self.fanout_strategy == "geometric":
-            return geometric_fanout(self.fanout_budget, K, self.fanout_acceptance, self.fanout_power)
+            power = 1.0 if self.fanout_power == "auto" else self.fanout_power  # auto starts from r = 1
+            return geometric_fanout(self.fanout_budget, K, self.fanout_acceptance, power)
         return _expand(self.fanout, K + 1)
 
     def resolved_fanout_miss(self) -> list[int] | None:

@@ -1,4 +1,5 @@
-"""The power-law fit of the cache hit rate: censored at the stored candidates, it recovers a known r."""
+"""The power-law fit of the cache hit rate: censored at the stored candidates, it recovers a known r; with
+``fanout_power: "auto"`` the speculator re-fits it online and re-makes its geometric fan-out (issue 13 item 5)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,15 @@ import random
 
 import pytest
 
-from ssd_eagle.ssd.fanout import OnlinePowerFit, fit_power_law, hit_rate_by_rank
+from helpers import make_tiny_llama, noisy_copy, random_prompts, reference_greedy
+from ssd_eagle.config import SpeculativeConfig
+from ssd_eagle.drafters.base import Proposal
+from ssd_eagle.engine.llm import LLM
+from ssd_eagle.sampling_params import SamplingParams
+from ssd_eagle.ssd.fanout import OnlinePowerFit, fit_power_law, geometric_fanout, hit_rate_by_rank
+from ssd_eagle.ssd.speculator import SpecRequest
+from ssd_eagle.ssd.worker import SpeculatorSettings, build_speculator
+from test_ssd import ssd_engine
 
 
 def power_law_ranks(n: int, r: float, c: float, seed: int = 0) -> list[int]:
@@ -50,3 +59,62 @@ def test_online_fit_waits_for_enough_lookups():
     for r in ranks[49:]:
         fit.record(r if r < 5 else -1, 5)
     assert fit.power == pytest.approx(0.4, abs=0.08)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# fanout_power: "auto" in the speculator and the config
+
+def test_the_speculator_refits_its_fanout_after_50_lookups():
+    """A synthetic stream of outcomes: accepted lengths k and bonus ranks among the stored candidates (censored).
+    After 50 lookups the next build re-makes the fan-out geometric from the fitted r and the measured a."""
+    K, start = 4, geometric_fanout(12, 4, 0.7, 1.0)
+    draft = make_tiny_llama(seed=3)
+    settings = SpeculatorSettings("draft_model", K, start, None, "neural", 8, 1.0, (1, 4), 1, 512,
+                                  vocab_size=draft.config.vocab_size, fanout_power="auto")
+    spec = build_speculator(settings, draft)
+    spec.add(0, [5, 6, 7], SamplingParams(temperature=0.0), seed=0)
+    seq = spec.seqs[0]
+    rng = random.Random(4)
+    ranks, stored, accepted, rejected = [], [], 0, 0
+    for i, r in enumerate(power_law_ranks(60, 0.4, 0.8, seed=5)):
+        k = rng.choice([0, 0, 1, 2, 4])
+        seq.proposal = Proposal([10, 11, 12, 13])
+        cands = [100 + j for j in range(start[k])]
+        seq.candidates = {tuple(seq.proposal.tokens[:k]): cands}
+        bonus = cands[r] if r < len(cands) else 99
+        spec._commit(seq, SpecRequest(0, k, bonus, K))
+        ranks.append(r if r < len(cands) else -1)
+        stored.append(len(cands))
+        accepted, rejected = accepted + k, rejected + (k < K)
+        spec.build()  # nothing to build: only the refit
+        if i < 49:
+            assert spec.fanout == start and spec.stats.fanout_power is None
+        if i == 49:
+            power = min(max(fit_power_law(*hit_rate_by_rank(ranks, 32, stored)).power, 0.05), 5.0)
+            fitted = geometric_fanout(12, K, accepted / (accepted + rejected), power)
+            assert spec.fanout == spec.fanout_miss == fitted != start
+            assert spec.stats.fanout_power == pytest.approx(power) and spec.power == spec.stats.fanout_power
+    assert spec.fanout == fitted  # refits every 50 lookups: none yet at 60
+
+
+def test_config_accepts_auto_and_names_fanout_power_in_errors():
+    spec = SpeculativeConfig.from_dict({"fanout_power": "auto", "fanout_strategy": "geometric", "fanout_budget": 12})
+    assert spec.fanout_power == "auto" and sum(spec.resolved_fanout()) == 12
+    assert SpeculativeConfig.from_dict({"fanout_power": 2}).fanout_power == 2.0
+    for bad in ({"fanout_power": "fast"}, {"fanout_power": -1.0}, {"fanout_power": 0}, {"fanout_power": True},
+                {"fanout_power": "auto"}):  # the last: auto with the manual strategy has nothing to re-fit
+        with pytest.raises(ValueError, match="fanout_power"):
+            SpeculativeConfig.from_dict(bad)
+
+
+def test_ssd_with_auto_fanout_stays_lossless_and_reports_r(byte_tokenizer):
+    target = make_tiny_llama(seed=3)
+    engine = ssd_engine(target, noisy_copy(target, 0.02), byte_tokenizer, max_num_seqs=2,
+                        fanout_strategy="geometric", fanout_budget=10, fanout_power="auto")
+    prompts = random_prompts(8, seed=1)
+    outs = LLM(engine=engine).generate(prompts, SamplingParams(temperature=0.0, max_tokens=24))
+    for prompt, out in zip(prompts, outs):
+        assert out.token_ids == reference_greedy(target, prompt, 24)
+    stats, _ = engine.drafter.speculator.stats()
+    assert stats.lookups >= 50 and stats.fanout_power is not None and 0.05 <= stats.fanout_power <= 5.0
+    assert sum(engine.drafter.speculator.speculator.fanout) == 10

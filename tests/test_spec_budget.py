@@ -57,6 +57,15 @@ def test_build_budget_fits_the_per_forward_cost_and_caps():
     assert [budget.cap() for _ in range(2 * budget.probe_every)] == ([0] * (budget.probe_every - 1) + [1]) * 2
 
 
+def greedy_with_hits_and_misses(engine, target, prompts: list[list[int]], max_tokens: int = 24) -> None:
+    """Greedy SSD output equals the target's own decode, and the speculation cache both hit and missed."""
+    outs = LLM(engine=engine).generate(prompts, SamplingParams(temperature=0.0, max_tokens=max_tokens))
+    for prompt, out in zip(prompts, outs):
+        assert out.token_ids == reference_greedy(target, prompt, max_tokens)
+    stats = engine.stats
+    assert stats.cache_hits > 0 and stats.cache_lookups > stats.cache_hits, "hits and misses must both occur"
+
+
 class SlowForward:
     """Wraps a draft backend's forward: sleeps ``fixed + per_token * tokens`` seconds first."""
 
@@ -78,18 +87,13 @@ def test_a_slow_draft_caps_its_branches_fits_the_budget_and_stays_lossless(byte_
     builds = []  # (seconds, cache entries built)
     build = speculator.build
 
-    def timed_build(*args):
+    def timed_build(*args, **kwargs):
         start = time.perf_counter()
-        build(*args)
+        build(*args, **kwargs)
         builds.append((time.perf_counter() - start, max((len(s.cache) for s in speculator.seqs.values()), default=0)))
 
     speculator.build = timed_build
-    prompts = random_prompts(3, seed=2)
-    outs = LLM(engine=engine).generate(prompts, SamplingParams(temperature=0.0, max_tokens=24))
-    for prompt, out in zip(prompts, outs):
-        assert out.token_ids == reference_greedy(target, prompt, 24)
-    stats = engine.stats
-    assert stats.cache_hits > 0 and stats.cache_lookups > stats.cache_hits, "hits and misses must both occur"
+    greedy_with_hits_and_misses(engine, target, random_prompts(3, seed=2))
     full = (K + 1) * 2  # fan-out [2] at every node of a K-chain
     # full fan-out sleeps ~17 ms (proposal forward) + 4 forwards * 32 ms: far past the 100 ms verification
     assert builds[0][1] == full and builds[0][0] > verify_s

@@ -68,7 +68,7 @@ def test_reply_round_trips_chains_trees_hits_and_misses():
 def test_remove_and_stats_round_trip():
     assert p.decode_remove(p.encode_remove(6)) == 6
     stats = SpeculatorStats(lookups=9, hits=4, bonus_ranks=[0, -1, 2], build_time=0.123456789, builds=8,
-                            backup_forwards=5)
+                            backup_forwards=5, interrupted=2, fanout_power=0.4375)
     intervals = [1.7e9 + 0.001, 1.7e9 + 0.0025]
     got, got_intervals = p.decode_stats(p.encode_stats(stats, intervals))
     assert got == stats

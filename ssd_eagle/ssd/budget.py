@@ -10,13 +10,50 @@ measures
   tree-masked forward over all branches), modelled as ``a + b * n`` seconds for ``n`` branches (the padded
   ``rows * branches per row``) and fitted by exponentially weighted least squares,
 
-and caps the branches it builds (best candidates kept first) with :func:`branch_cap`.
+and caps the branches it builds (best candidates kept first) with :func:`branch_cap`. A build that still runs when
+the verifier's next outcome arrives stops at the next branch-step boundary (:class:`BuildStop`), the outcome is
+answered at once and the unfinished branches are dropped, unless finishing is expected to answer sooner: with R
+seconds of build left, p the hit rate after a finished build and B the backup's time, finishing waits
+``R + (1 - p) B`` on average, stopping ``B`` (:meth:`BuildBudget.worth_finishing`). An in-process speculator's
+deadline stops the build regardless.
 """
 
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass
+from typing import Callable
+
+
+class BuildInterrupted(Exception):
+    """Raised by :meth:`BuildStop.check` at a branch-step boundary: the build stops there."""
+
+
+@dataclass
+class BuildStop:
+    """When a build stops early; :meth:`check` runs before every draft forward of a build (chains and trees).
+
+    Attributes:
+        poll: returns True once the verifier's next message has arrived (the worker's link), or None.
+        deadline: a ``time.perf_counter()`` value (seconds) past which the build stops, or None.
+        finish: returns whether finishing the build beats stopping it now (asked only once ``poll`` fired).
+    """
+
+    poll: Callable[[], bool] | None = None
+    deadline: float | None = None
+    finish: Callable[[], bool] | None = None
+
+    def due(self) -> bool:
+        if self.deadline is not None and time.perf_counter() >= self.deadline:
+            return True
+        return bool(self.poll is not None and self.poll()) and not (self.finish is not None and self.finish())
+
+    def check(self) -> None:
+        """Raises:
+            BuildInterrupted: when the build is due to stop."""
+        if self.due():
+            raise BuildInterrupted
 
 
 def branch_cap(budget_s: float, fixed_s: float, steps: float, forward_s: float, per_branch_s: float,
@@ -71,6 +108,9 @@ class BuildBudget:
     probe_every: int = 8
     _builds: int = 0
     _capped_out: int = 0
+    backup_s: float | None = None  # a neural backup's time (None: not measured)
+    hits_after_full: float = 1.0  # lookups after a finished build, and their hits (a prior of one hit in two)
+    lookups_after_full: float = 2.0
 
     def _ema(self, old: float, new: float) -> float:
         return new if not self._seen else old + self.alpha * (new - old)
@@ -78,13 +118,41 @@ class BuildBudget:
     def observe_verify(self, seconds: float) -> None:
         self.verify_s = seconds if self.verify_s is None else self.verify_s + self.alpha * (seconds - self.verify_s)
 
-    def observe_build(self, fixed_s: float, branches: int, steps: int, branch_s: float) -> None:
-        """One build: ``fixed_s`` before the branches, then ``steps`` forwards over ``branches`` in ``branch_s``."""
+    def observe_backup(self, seconds: float) -> None:
+        self.backup_s = seconds if self.backup_s is None else self.backup_s + self.alpha * (seconds - self.backup_s)
+
+    def observe_lookup(self, hit: bool) -> None:
+        """A lookup after a finished build."""
+        self.hits_after_full += hit
+        self.lookups_after_full += 1
+
+    def remaining_s(self, steps: float, branches: float | None = None, fixed: bool = False) -> float:
+        """Predicted seconds of ``steps`` branch forwards over ``branches`` (default: the usual count), plus the
+        fixed part when ``fixed``."""
+        a, b = self.forward_cost()
+        n = self._n if branches is None else branches
+        return (self.fixed_s if fixed else 0.0) + steps * (a + b * n)
+
+    def worth_finishing(self, remaining_s: float) -> bool:
+        """Whether finishing a build with ``remaining_s`` seconds left is expected to answer the waiting outcome
+        sooner than the backup now: ``R < p B`` (p: the hit rate after finished builds; B: the backup's time).
+        Until a build was measured (the first two) it finishes, as builds did before they could be stopped."""
+        if not self._seen:
+            return True
+        if self.backup_s is None:
+            return False
+        return remaining_s < self.hits_after_full / self.lookups_after_full * self.backup_s
+
+    def observe_build(self, fixed_s: float, branches: int, steps: int, branch_s: float, complete: bool = True) -> None:
+        """One build: ``fixed_s`` before the branches, then ``steps`` forwards over ``branches`` in ``branch_s``.
+        An interrupted build (``complete=False``) still measures the cost of a forward, not the steps a build takes."""
         self._builds += 1
         if steps <= 0 or branches <= 0 or self._builds == 1:
             return
         t = branch_s / steps
-        self.fixed_s, self.steps = self._ema(self.fixed_s, fixed_s), self._ema(self.steps, steps)
+        if complete or not self._seen:
+            self.steps = self._ema(self.steps, steps)
+        self.fixed_s = self._ema(self.fixed_s, fixed_s)
         self._n, self._t = self._ema(self._n, branches), self._ema(self._t, t)
         self._nn, self._nt = self._ema(self._nn, branches * branches), self._ema(self._nt, branches * t)
         self._seen = True

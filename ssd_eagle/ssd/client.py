@@ -32,17 +32,24 @@ log = logging.getLogger(__name__)
 
 
 class LocalSpeculator:
-    """The speculator in this process: propose, then build right away (no overlap)."""
+    """The speculator in this process: propose, then build right away (no overlap).
 
-    def __init__(self, settings: SpeculatorSettings, draft):
+    Args:
+        build_seconds: each build stops at its first branch-step boundary past this many seconds (its
+            unfinished branches dropped), or None (no deadline).
+    """
+
+    def __init__(self, settings: SpeculatorSettings, draft, build_seconds: float | None = None):
         self.speculator = build_speculator(settings, draft)
+        self.build_seconds = build_seconds
 
     def add(self, seq: p.NewSequence) -> None:
         self.speculator.add(seq.slot, seq.token_ids, seq.params, seq.seed, seq.aux, seq.start, seq.done)
 
     def propose(self, requests: list[SpecRequest]) -> list[Proposal]:
         replies = self.speculator.propose(requests)
-        self.speculator.build()
+        seconds = self.build_seconds
+        self.speculator.build(deadline=None if seconds is None else time.perf_counter() + seconds)
         return replies
 
     def remove(self, slot: int) -> None:

@@ -11,7 +11,7 @@ under a budget ``sum_k F_k = B`` gives the geometric fan-out
 
 with F_0 fixed by the budget. :func:`geometric_fanout` rounds it to integers by largest remainder (zeros allowed,
 sum exactly B). :func:`fit_power_law` estimates r from measured hit rates and :func:`fit_fanout` turns measured
-statistics into a fan-out.
+statistics into a fan-out (:class:`AutoFanout` does it online, for ``fanout_power: "auto"``).
 
 This module is also the one home for the expected-value theory of Saguaro sampling used by training:
 :func:`expected_acceptance`, :func:`residual_coverage`, :func:`expected_cache_hit`, and
@@ -21,6 +21,7 @@ This module is also the one home for the expected-value theory of Saguaro sampli
 from __future__ import annotations
 
 import math
+from collections import deque
 from dataclasses import dataclass
 
 import torch
@@ -156,34 +157,82 @@ def hit_rate_by_rank(ranks: list[int], max_fanout: int,
 
 
 class OnlinePowerFit:
-    """``fanout_power: "auto"``: r of ``1 - p_hit(F) = c F^-r`` fitted from the bonus ranks the speculator
-    observes (censored at the candidates it stored, :func:`hit_rate_by_rank`), once ``min_lookups`` are in.
+    """r of ``1 - p_hit(F) = c F^-r`` fitted from the bonus ranks the speculator observes (censored at the
+    candidates it stored, :func:`hit_rate_by_rank`), once ``min_lookups`` are in.
 
     Args:
         default: r until then (and whenever the points cannot be fitted).
         min_lookups: observations needed before fitting.
         max_fanout: largest F used in the fit.
+        window: the fit uses the latest this many lookups (bounds its cost, and follows a drifting draft).
     """
 
-    def __init__(self, default: float = 1.0, min_lookups: int = 50, max_fanout: int = 32):
+    def __init__(self, default: float = 1.0, min_lookups: int = 50, max_fanout: int = 32, window: int = 4096):
         self.default, self.min_lookups, self.max_fanout = default, min_lookups, max_fanout
-        self.ranks: list[int] = []
-        self.stored: list[int] = []
+        self.ranks: deque[int] = deque(maxlen=window)
+        self.stored: deque[int] = deque(maxlen=window)
+        self.lookups = 0  # all recorded, the window's and earlier
 
     def record(self, rank: int, stored: int) -> None:
         """One lookup: the bonus token's rank among ``stored`` candidates (-1: not among them)."""
         self.ranks.append(rank)
         self.stored.append(stored)
+        self.lookups += 1
+
+    @property
+    def fitted(self) -> bool:
+        return self.lookups >= self.min_lookups
 
     @property
     def power(self) -> float:
-        if len(self.ranks) < self.min_lookups:
+        """The fitted r, clamped to [0.05, 5] (``default`` before ``min_lookups`` or when unfittable)."""
+        if not self.fitted:
             return self.default
         try:
-            fit = fit_power_law(*hit_rate_by_rank(self.ranks, self.max_fanout, self.stored))
+            fit = fit_power_law(*hit_rate_by_rank(list(self.ranks), self.max_fanout, list(self.stored)))
         except ValueError:
             return self.default
         return min(max(fit.power, 0.05), 5.0)
+
+
+class AutoFanout:
+    """``fanout_power: "auto"``: the geometric fan-out re-fitted from what the speculator observes.
+
+    Every ``refit_every`` lookups from ``min_lookups`` on, r comes from :class:`OnlinePowerFit` and the acceptance
+    rate a from the chains' outcomes (accepted / (accepted + rejected) draft tokens: the maximum-likelihood a of
+    i.i.d. acceptance, truncated at the chain's end); the fan-out is then :func:`geometric_fanout` of the same
+    budget B (for trees only r matters: they spread B per node).
+
+    Args:
+        budget: B = sum of the fan-out; num_speculative_tokens: K.
+        default: r (and the fan-out it gives) until the first fit.
+    """
+
+    def __init__(self, budget: int, num_speculative_tokens: int, default: float = 1.0, min_lookups: int = 50,
+                 refit_every: int = 50):
+        self.budget, self.K, self.refit_every = budget, num_speculative_tokens, refit_every
+        self.fit = OnlinePowerFit(default, min_lookups)
+        self.accepted = self.rejected = 0
+        self.power: float | None = None  # the last fitted r
+        self._fitted_at = 0
+
+    def record(self, rank: int, stored: int, accepted: int | None = None, proposed: int | None = None) -> None:
+        """One lookup: the bonus's ``rank`` among the ``stored`` candidates at its node (-1: not among them; 0
+        stored: no candidates there) and, for a chain, ``accepted`` of its ``proposed`` tokens."""
+        self.fit.record(rank, stored)
+        if accepted is not None and proposed is not None:
+            self.accepted += accepted
+            self.rejected += accepted < proposed
+
+    def refit(self) -> list[int] | None:
+        """The re-fitted fan-out F_0..F_K when a refit is due, else None."""
+        n = self.fit.lookups
+        if not self.fit.fitted or n - self._fitted_at < self.refit_every:
+            return None
+        self._fitted_at = n
+        self.power = self.fit.power
+        a = self.accepted / max(self.accepted + self.rejected, 1)
+        return geometric_fanout(self.budget, self.K, min(max(a, 0.05), 0.95), self.power)
 
 
 def fit_fanout(budget: int, num_speculative_tokens: int, acceptance_rate: float, bonus_ranks: list[int],

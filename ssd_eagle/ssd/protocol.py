@@ -11,8 +11,9 @@ n_floats]`` and then the payloads as plain tensors (no pickling on the hot path)
     REPLY     ints   [rows, per row: hit, lookup_k, m, has_q, is_tree, tokens[m], parents[m] if is_tree]
               floats [q[m * V] of every row with has_q]
     REMOVE    ints   [slot]
-    STATS     request: empty; reply ints [lookups, hits, builds, backup_forwards, n, ranks[n], build_ns,
-              intervals_ns...] (nanoseconds: exact whatever the float dtype)
+    STATS     request: empty; reply ints [lookups, hits, builds, backup_forwards, interrupted, power_micro, n,
+              ranks[n], build_ns, intervals_ns...] (nanoseconds, and the fitted r in millionths, -1 for None: exact
+              whatever the float dtype)
     SHUTDOWN  empty
     ERROR     empty: the speculator failed to answer; the verifier falls back to ordinary decoding
 
@@ -34,7 +35,8 @@ import torch
 from ssd_eagle.drafters.base import Proposal
 from ssd_eagle.sampling_params import SamplingParams
 
-PROTOCOL_VERSION = 3  # 2: one ADD per sequence; 1: the unversioned layout (no aux width, float statistics)
+PROTOCOL_VERSION = 4  # 3: STATS without interrupted builds and the fitted r; 2: one ADD per sequence (no chunks);
+# 1: the unversioned layout before this module (no aux width, float statistics)
 ADD, PROPOSE, REPLY, REMOVE, STATS, SHUTDOWN, ERROR = range(1, 8)
 
 
@@ -90,7 +92,7 @@ def decode_add(msg: Message) -> NewSequence:
 
 # PROPOSE
 def encode_propose(requests: list) -> Message:
-    """``requests``: :class:`~ssd_eagle.ssd.speculator.SpecRequest` rows (aux float [k + 1, W] or None)."""
+    """``requests``: :class:`~ssd_eagle.ssd.lookup.SpecRequest` rows (aux float [k + 1, W] or None)."""
     auxes = [r.aux for r in requests if r.aux is not None and r.num_accepted >= 0]
     width = auxes[0].shape[-1] if auxes else 0
     ints = [len(requests), width]
@@ -103,7 +105,7 @@ def encode_propose(requests: list) -> Message:
 
 
 def decode_propose(msg: Message) -> list:
-    from ssd_eagle.ssd.speculator import SpecRequest
+    from ssd_eagle.ssd.lookup import SpecRequest
 
     values = msg.ints.tolist()
     rows, width = values[:2]
@@ -165,19 +167,22 @@ def decode_remove(msg: Message) -> int:
 
 # STATS (the reply; the request is ``Message(STATS)``)
 def encode_stats(stats, intervals: list[float]) -> Message:
-    """``stats``: a :class:`~ssd_eagle.ssd.speculator.SpeculatorStats`; ``intervals``: wall-clock build
+    """``stats``: a :class:`~ssd_eagle.ssd.lookup.SpeculatorStats`; ``intervals``: wall-clock build
     start/end pairs in seconds (``time.time()``)."""
     ns = [round(x * 1e9) for x in (stats.build_time, *intervals)]
+    power = -1 if stats.fanout_power is None else round(stats.fanout_power * 1e6)
     return Message(STATS, torch.tensor([stats.lookups, stats.hits, stats.builds, stats.backup_forwards,
-                                        len(stats.bonus_ranks), *stats.bonus_ranks, *ns], dtype=torch.long))
+                                        stats.interrupted, power, len(stats.bonus_ranks), *stats.bonus_ranks, *ns],
+                                       dtype=torch.long))
 
 
 def decode_stats(msg: Message):
     """``(SpeculatorStats, intervals in seconds)``."""
-    from ssd_eagle.ssd.speculator import SpeculatorStats
+    from ssd_eagle.ssd.lookup import SpeculatorStats
 
     values = msg.ints.tolist()
-    lookups, hits, builds, backup_forwards, n = values[:5]
-    build_ns, *intervals = values[5 + n:]
-    stats = SpeculatorStats(lookups, hits, values[5: 5 + n], build_ns / 1e9, builds, backup_forwards)
+    lookups, hits, builds, backup_forwards, interrupted, power, n = values[:7]
+    build_ns, *intervals = values[7 + n:]
+    stats = SpeculatorStats(lookups, hits, values[7: 7 + n], build_ns / 1e9, builds, backup_forwards, interrupted,
+                            None if power < 0 else power / 1e6)
     return stats, [x / 1e9 for x in intervals]

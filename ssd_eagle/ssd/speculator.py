@@ -13,6 +13,9 @@ chain the accepted tokens are ``s_1..s_k``, so the key is the paper's ``(k, bonu
    gets the top-F_u tokens there as bonus candidates, excluding u's children (an equal bonus would have been an
    acceptance). Every branch ``(path to u, b)`` then drafts its next proposal, all branches of all rows together
    in tree-masked forwards: K forwards for chains, 1 + (depth - 1) for dynamic trees, whatever the fan-out.
+   The branches are capped so that the build fits in a verification (:mod:`ssd_eagle.ssd.budget`); a build still
+   running when the next outcome arrives stops before its next forward, and that outcome is answered at once
+   from what is complete (a branch enters the cache only once drafted to the end), else by the backup.
 
 Fan-out: chains use F_0..F_K by depth (uniform or geometric, :mod:`ssd_eagle.ssd.fanout`); trees spread the budget
 B over nodes in proportion to ``(P(reach u) P(stop at u))^(1/(1+r))`` under the draft's own probabilities, which
@@ -39,29 +42,11 @@ from ssd_eagle.drafters.ngram import lookup_continuation
 from ssd_eagle.drafters.tree import TreeSettings, grow_trees
 from ssd_eagle.kv_cache import ForwardBatch
 from ssd_eagle.sampling_params import SamplingParams
-from ssd_eagle.ssd.budget import BuildBudget
-from ssd_eagle.ssd.fanout import largest_remainder
+from ssd_eagle.ssd.budget import BuildBudget, BuildInterrupted, BuildStop
+from ssd_eagle.ssd.fanout import AutoFanout, largest_remainder
+from ssd_eagle.ssd.lookup import SpecRequest, SpeculatorStats
 
-
-@dataclass
-class SpecRequest:
-    """One row of a propose call (what the verifier sends).
-
-    Attributes:
-        slot: the sequence's slot.
-        num_accepted: k of the verifier's last round, or -1 for the first round after ``add`` (no lookup).
-        bonus: the bonus token of that round (ignored when ``num_accepted == -1``).
-        budget: most tokens the proposal may emit (chain length, or tree depth).
-        aux: float [k + 1, 3 * H_target], aux states of the verified inputs now committed (EAGLE-3), else None.
-        accepted: the k accepted tokens (needed for trees; for chains they are the proposal's first k).
-    """
-
-    slot: int
-    num_accepted: int
-    bonus: int
-    budget: int
-    aux: torch.Tensor | None = None
-    accepted: list[int] | None = None
+__all__ = ["Speculator", "SpecRequest", "SpeculatorStats", "bonus_candidates"]
 
 
 @dataclass
@@ -74,21 +59,10 @@ class _Seq:
     pending: torch.Tensor | None = None  # EAGLE-3 features of token positions num_cached .. len(token_ids) - 1
     proposal: Proposal | None = None  # the last reply, with the draft's outputs (EAGLE-3)
     path_base: int = 0  # len(token_ids) when the proposal was made
+    fed: bool = False  # whether a build's forward has cached the proposal (an interrupted build may not have)
+    built: bool = False  # whether the last build ran to its end
     cache: dict[tuple[tuple[int, ...], int], Proposal] = field(default_factory=dict)
     candidates: dict[tuple[int, ...], list[int]] = field(default_factory=dict)  # per accepted path, best first
-
-
-@dataclass
-class SpeculatorStats:
-    """What the speculator measured: lookups, hits, builds, the rank of every true bonus among the candidates
-    at its node (-1: not among them; the fan-out fitter's input), and the time spent building."""
-
-    lookups: int = 0
-    hits: int = 0
-    bonus_ranks: list[int] = field(default_factory=list)
-    build_time: float = 0.0
-    builds: int = 0
-    backup_forwards: int = 0  # draft forwards run while the verifier waited (misses)
 
 
 class Speculator:
@@ -103,7 +77,9 @@ class Speculator:
         saguaro: Saguaro sampling (C and the fan-out it scales with); None = plain sampling.
         prompt_lookup: (min_n, max_n) of the fast backup.
         tree: propose dynamic trees of this shape instead of chains.
-        power: r of the hit-rate power law, for the tree fan-out.
+        power: r of the hit-rate power law (the tree fan-out), or ``"auto"``: r fitted from the observed bonus ranks
+            and a chain's fan-out re-made geometric (same budget) every 50 lookups
+            (:class:`~ssd_eagle.ssd.fanout.AutoFanout`).
 
     Raises:
         ValueError: fan-out lists of the wrong length or an unknown backup.
@@ -112,7 +88,7 @@ class Speculator:
     def __init__(self, backend: DraftBackend, num_speculative_tokens: int, fanout: list[int],
                  fanout_miss: list[int] | None = None, backup: str = "neural", fast_backup_batch: int = 8,
                  saguaro: SaguaroSampling | None = None, prompt_lookup: tuple[int, int] = (1, 4),
-                 tree: TreeSettings | None = None, power: float = 1.0):
+                 tree: TreeSettings | None = None, power: float | str = 1.0):
         K = num_speculative_tokens
         for name, f in (("fanout", fanout), ("fanout_miss", fanout_miss)):
             if f is not None and len(f) != K + 1:
@@ -121,20 +97,28 @@ class Speculator:
             raise ValueError(f"backup must be 'neural', 'fast' or 'auto', got {backup!r}")
         self.backend = backend
         self.K = K
-        self.fanout = list(fanout)
-        self.fanout_miss = list(fanout_miss) if fanout_miss is not None else list(fanout)
         self.backup = backup
         self.fast_backup_batch = fast_backup_batch
         self.saguaro = saguaro
-        # a backup drafts what is cached with fanout_miss, so its Saguaro scaling uses that fan-out too
-        self.saguaro_miss = SaguaroSampling(saguaro.c, tuple(self.fanout_miss)) if saguaro is not None else None
+        self._own_miss = fanout_miss is not None
+        self._set_fanout(list(fanout), list(fanout_miss) if fanout_miss is not None else None)
         self.prompt_lookup = prompt_lookup
         self.tree = tree
-        self.power = power
+        self.auto = AutoFanout(sum(fanout), K) if power == "auto" else None
+        self.power = 1.0 if self.auto is not None else float(power)
         self.seqs: dict[int, _Seq] = {}
         self.stats = SpeculatorStats()
         self.budget = BuildBudget()  # caps the branches so that a build fits in one verification
+        self._stop = BuildStop()  # when the running build stops early (set by build)
         self._to_build: list[tuple[_Seq, bool]] = []
+
+    def _set_fanout(self, fanout: list[int], fanout_miss: list[int] | None = None) -> None:
+        self.fanout = fanout
+        self.fanout_miss = fanout_miss if fanout_miss is not None else list(fanout)
+        if self.saguaro is not None:
+            self.saguaro = SaguaroSampling(self.saguaro.c, tuple(fanout))
+        # a backup drafts what is cached with fanout_miss, so its Saguaro scaling uses that fan-out too
+        self.saguaro_miss = SaguaroSampling(self.saguaro.c, tuple(self.fanout_miss)) if self.saguaro else None
 
     # sequence lifetime
     def add(self, slot: int, token_ids: list[int], params: SamplingParams, seed: int,
@@ -185,13 +169,16 @@ class Speculator:
             else:
                 misses.append(i)
                 replies[i] = Proposal([], cache_hit=hit, lookup_k=lookup_k)
-            seq.cache = {}
+            seq.cache, seq.candidates, seq.built = {}, {}, False
             self._to_build.append((seq, hit is False))
         if misses:
             fast = self.backup == "fast" or (self.backup == "auto" and len(requests) >= self.fast_backup_batch)
             rows = [self.seqs[requests[i].slot] for i in misses]
             budgets = [requests[i].budget for i in misses]
+            before = time.perf_counter()
             drafts = self._fast_backup(rows, budgets) if fast else self._neural_backup(rows, budgets)
+            if not fast:
+                self.budget.observe_backup(time.perf_counter() - before)
             for i, seq, draft in zip(misses, rows, drafts):
                 replies[i] = self._reply(seq, draft, replies[i].cache_hit, replies[i].lookup_k)
         return replies
@@ -207,20 +194,26 @@ class Speculator:
         seq.token_ids.extend(list(path) + [bonus])
         if self.backend.needs_aux:
             seq.pending = self.backend.append_features(seq.pending, req.aux)
-        elif proposal is not None:
+        elif proposal is not None and seq.fed:
             # the accepted path is cached where it lies only for a chain (trees are fed again)
             seq.num_cached = seq.path_base + (len(path) if proposal.parents is None else 0)
         cands = seq.candidates.get(path)
         if cands is not None:
             self.stats.bonus_ranks.append(cands.index(bonus) if bonus in cands else -1)
+        if self.auto is not None and proposal is not None:
+            chain = proposal.parents is None
+            self.auto.record(cands.index(bonus) if cands and bonus in cands else -1, len(cands or ()),
+                             len(path) if chain else None, len(proposal.tokens) if chain else None)
         self.stats.lookups += 1
         hit = (path, bonus) in seq.cache
         self.stats.hits += hit
+        if seq.built:
+            self.budget.observe_lookup(hit)
         return hit
 
     def _reply(self, seq: _Seq, draft: Proposal, hit: bool | None, lookup_k: int | None) -> Proposal:
         """Remember ``draft`` as the row's proposal; the reply is a copy without the draft's outputs."""
-        seq.proposal = draft
+        seq.proposal, seq.fed = draft, False
         seq.path_base = len(seq.token_ids)
         return replace(draft, tokens=list(draft.tokens), cache_hit=hit, lookup_k=lookup_k, hidden=None)
 
@@ -248,17 +241,44 @@ class Speculator:
 
     # building the speculation cache
     @torch.inference_mode()
-    def build(self, poll=None) -> None:
+    def build(self, poll=None, deadline: float | None = None) -> bool:
         """Pre-draft the next proposal for every predicted outcome of the rows of the last :meth:`propose`, at most
         ``self.budget.cap()`` branches (the padded rows x branches per row; best candidates kept first).
-        ``poll`` (no arguments) is called between branch forwards (the worker notes there when PROPOSE arrives)."""
+
+        It stops before its next draft forward once ``poll()`` returns True (the verifier's next message arrived,
+        unless finishing answers sooner on average: ``BuildBudget.worth_finishing``) or ``time.perf_counter()``
+        passes ``deadline`` (seconds). Unfinished branches are dropped: only a branch drafted to its end enters the
+        cache; what the dropped ones wrote lies past the committed text, where no later forward looks. Returns
+        whether the build ran to its end."""
         start = time.perf_counter()
+        self._stop = BuildStop(poll, deadline)
         rows = [(s, missed) for s, missed in self._to_build if s.slot in self.seqs and s.proposal is not None]
         self._to_build = []
-        if not rows:
-            return
+        if self.auto is not None and (fanout := self.auto.refit()) is not None:
+            self._set_fanout(fanout, self.fanout_miss if self._own_miss else None)
+            self.power = self.stats.fanout_power = self.auto.power
+        try:
+            if rows:
+                self._build_rows(rows, start)
+                for seq, _ in rows:
+                    seq.built = True
+        except BuildInterrupted:
+            self.stats.interrupted += 1
+            return False
+        finally:
+            self._stop = BuildStop()
+            self.stats.build_time += time.perf_counter() - start
+            self.stats.builds += bool(rows)
+        return True
+
+    def _build_rows(self, rows: list[tuple[_Seq, bool]], start: float) -> None:
         seqs = [s for s, _ in rows]
+        steps = self.K if self.tree is None else self.tree.depth  # branch forwards of a build (trees: about)
+        self._stop.finish = lambda: self.budget.worth_finishing(self.budget.remaining_s(steps, fixed=True))
+        self._stop.check()
         node_logits, node_hidden, node_kv = self._proposal_forward(seqs)
+        for seq in seqs:
+            seq.fed = True
         if self.backend.needs_aux:  # the committed tokens' keys now come from the target's features: final, except
             for seq in seqs:        # the root's (fed again as the next chunk's first token)
                 seq.pending = seq.pending[len(seq.token_ids) - 1 - seq.num_cached:]
@@ -271,15 +291,16 @@ class Speculator:
         if cap is not None:  # best first: every node's best candidate, then every node's second, ...
             branches = [sorted(row, key=lambda br: br["rank"])[: max(cap // len(rows), cap > 0)] for row in branches]
         if any(branches):
-            fixed, before = time.perf_counter() - start, self.backend.forwards
-            if self.tree is not None:
-                self._draft_branch_trees(seqs, branches)
-            else:
-                self._draft_branch_chains(seqs, branches, poll)
-            self.budget.observe_build(fixed, len(rows) * max(map(len, branches)), self.backend.forwards - before,
-                                      time.perf_counter() - start - fixed)
-        self.stats.build_time += time.perf_counter() - start
-        self.stats.builds += 1
+            fixed, before, complete = time.perf_counter() - start, self.backend.forwards, False
+            n = len(rows) * max(map(len, branches))
+            self._stop.finish = lambda: self.budget.worth_finishing(
+                self.budget.remaining_s(steps - (self.backend.forwards - before), n))
+            try:
+                (self._draft_branch_trees if self.tree is not None else self._draft_branch_chains)(seqs, branches)
+                complete = True
+            finally:
+                self.budget.observe_build(fixed, n, self.backend.forwards - before, time.perf_counter() - start - fixed,
+                                          complete)
 
     def _proposal_forward(self, seqs: list[_Seq]):
         """One tree-masked forward per row over the uncached committed tokens (a chain ending at the root, the
@@ -380,7 +401,7 @@ class Speculator:
         region = torch.tensor([kv_end(seq, b.offset) for seq in seqs])[:, None]
         return tokens, root_pos, base, feats, region, F
 
-    def _draft_branch_chains(self, seqs: list[_Seq], branches: list[list[dict]], poll=None) -> None:
+    def _draft_branch_chains(self, seqs: list[_Seq], branches: list[list[dict]]) -> None:
         """K tokens for every branch: K tree-masked forwards over all branches of all rows at once. Branch i of
         row r writes its root at cache position ``region_r + i`` and its token of chain index j at
         ``region_r + (j + 1) * F + i``; it sees the committed text, the path to its node and its own writes."""
@@ -391,8 +412,7 @@ class Speculator:
 
         def feed(rows, toks: torch.Tensor, hidden: torch.Tensor | None, index: int):
             """The draft_chain feed over all B * F branches: their tokens of chain index ``index`` (-1: the roots)."""
-            if poll is not None:
-                poll()
+            self._stop.check()
             write = region + (index + 1) * F + branch_idx  # [B, F]
             cols = torch.arange(max(int(write.max()) + 1, base.shape[-1]))[None, None, :]
             visible = (cols >= region[..., None]) & ((cols - region[..., None]) % F == branch_idx[..., None]) & \
@@ -419,6 +439,7 @@ class Speculator:
         visible = torch.zeros(B, F, kv_len, dtype=torch.bool)
         visible[..., : base.shape[-1]] = base
         visible.scatter_(2, write[..., None], True)
+        self._stop.check()  # (grow_trees's own forwards are not checked yet)
         logits, hidden = self.backend.step(slots, tokens, positions, write, visible, feats)
         # one grow_trees row per branch: its base sees the branch root too; its region follows all roots
         real = [(r, i) for r in range(B) for i in range(len(branches[r]))]

@@ -47,7 +47,7 @@ class SpeculatorSettings:
     tree_budget: int = 0
     tree_depth: int = 5
     tree_topk: int = 4
-    fanout_power: float = 1.0
+    fanout_power: float | str = 1.0  # r, or "auto" (fitted online)
     cuda_graphs: bool = True  # fixed-shape draft steps (CUDA graphs on CUDA); False: --eager
 
 
@@ -108,13 +108,16 @@ def worker_main(settings: SpeculatorSettings, draft, startup_timeout: float = 30
 def serve(speculator, channel: t.Channel, intervals: list[float]) -> None:
     """The request loop until SHUTDOWN (also handy to drive from a test); ``intervals`` collects every build's
     wall-clock start and end. The verification time (reply sent -> next PROPOSE arrived, noted by polling between
-    the build's forwards) sizes the next builds (:mod:`ssd_eagle.ssd.budget`)."""
+    the build's forwards) sizes the next builds (:mod:`ssd_eagle.ssd.budget`); a message arriving mid-build stops
+    the build at its next forward, so that it is answered at once."""
     sent = arrived = None
 
-    def poll() -> None:
+    def poll() -> bool:
+        """Whether the verifier's next message has arrived (noting when)."""
         nonlocal arrived
         if arrived is None and channel.poll():
             arrived = time.perf_counter()
+        return arrived is not None
 
     while True:
         msg = channel.recv()

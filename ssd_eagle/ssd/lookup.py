@@ -1,0 +1,51 @@
+"""What crosses the speculator's boundary each round: the verifier's outcome rows (:class:`SpecRequest`, carried by
+PROPOSE) and the speculator's lookup and build statistics (:class:`SpeculatorStats`, carried by STATS); see
+:mod:`ssd_eagle.ssd.protocol` for their layouts and :mod:`ssd_eagle.ssd.speculator` for the rounds."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class SpecRequest:
+    """One row of a propose call (what the verifier sends).
+
+    Attributes:
+        slot: the sequence's slot.
+        num_accepted: k of the verifier's last round, or -1 for the first round after ``add`` (no lookup).
+        bonus: the bonus token of that round (ignored when ``num_accepted == -1``).
+        budget: most tokens the proposal may emit (chain length, or tree depth).
+        aux: float [k + 1, 3 * H_target], aux states of the verified inputs now committed (EAGLE-3), else None.
+        accepted: the k accepted tokens (needed for trees; for chains they are the proposal's first k).
+    """
+
+    slot: int
+    num_accepted: int
+    bonus: int
+    budget: int
+    aux: torch.Tensor | None = None
+    accepted: list[int] | None = None
+
+
+@dataclass
+class SpeculatorStats:
+    """What the speculator measured: lookups, hits, builds, the rank of every true bonus among the candidates
+    at its node (-1: not among them; the fan-out fitter's input), and the time spent building (seconds).
+
+    Attributes:
+        interrupted: builds stopped early by the verifier's next outcome (or a deadline); their unfinished branches
+            were dropped.
+        fanout_power: r fitted online (``fanout_power: "auto"``), None before the first fit or when r is fixed.
+    """
+
+    lookups: int = 0
+    hits: int = 0
+    bonus_ranks: list[int] = field(default_factory=list)
+    build_time: float = 0.0
+    builds: int = 0
+    backup_forwards: int = 0  # draft forwards run while the verifier waited (misses)
+    interrupted: int = 0
+    fanout_power: float | None = None

@@ -1,0 +1,227 @@
+"""Interruptible builds of the speculation cache (issue 13 item 2): an outcome that arrives mid-build is answered at
+once, from the cache if its branch is complete, else from the backup, and the unfinished branches are dropped
+without corrupting the draft cache: greedy output equals the target's, the output law at T > 0 is the target's, and
+a backup after an interrupted build drafts exactly what it drafts after a complete one."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from helpers import exact_law, make_tiny_llama, noisy_copy, pooled_chisquare, random_prompts, reference_greedy
+from ssd_eagle.engine.llm import LLM
+from ssd_eagle.sampling_params import SamplingParams
+from ssd_eagle.ssd.budget import BuildBudget
+from ssd_eagle.ssd.client import SpeculatorLink
+from ssd_eagle.ssd.speculator import SpecRequest
+from ssd_eagle.ssd.worker import SpeculatorSettings, build_speculator, serve
+from test_spec_budget import greedy_with_hits_and_misses
+from test_ssd import K, N_REQ, T_OUT, V, ssd_engine
+from test_ssd_protocol import _pair
+
+
+class StopAtCheck:
+    """A build poll: every other build finishes; the others stop at their n-th stop check, n = 0, 1, ..., k in
+    turn (a chain build checks k + 1 times: before the proposal's forward and before each of its k branch
+    forwards)."""
+
+    def __init__(self, k: int = K):
+        self.k, self.builds, self.checks = k, -1, 0
+
+    def wrap(self, speculator) -> None:
+        build = speculator.build
+        speculator.budget.worth_finishing = lambda remaining_s: False  # stop whenever told (the rule: below)
+
+        def build_with_poll(*args, **kwargs):
+            self.builds, self.checks = self.builds + 1, 0
+            return build(self)
+
+        speculator.build = build_with_poll
+
+    def __call__(self) -> bool:
+        self.checks += 1
+        return self.builds % 2 == 1 and self.checks > (self.builds // 2) % (self.k + 1)
+
+
+def test_builds_stopped_at_every_step_keep_greedy_output_exact(byte_tokenizer):
+    target = make_tiny_llama(seed=3)
+    engine = ssd_engine(target, noisy_copy(target, 0.02), byte_tokenizer, max_num_seqs=2)
+    speculator = engine.drafter.speculator.speculator
+    StopAtCheck().wrap(speculator)
+    greedy_with_hits_and_misses(engine, target, random_prompts(6, seed=1))
+    assert speculator.stats.builds // 2 - 1 <= speculator.stats.interrupted <= speculator.stats.builds // 2 + 1
+
+
+def test_output_law_is_unchanged_by_interrupted_builds(byte_tokenizer):
+    target = make_tiny_llama(vocab_size=V, seed=6, init_std=0.15)
+    engine = ssd_engine(target, noisy_copy(target, 0.5, seed=9), byte_tokenizer, max_num_seqs=128, k=2)
+    speculator = engine.drafter.speculator.speculator
+    StopAtCheck(k=2).wrap(speculator)
+    prompt, temperature = [1, 3, 0, 2, 2], 0.9
+    params = [SamplingParams(temperature=temperature, max_tokens=T_OUT, ignore_eos=True, seed=i) for i in range(N_REQ)]
+    outs = LLM(engine=engine).generate([prompt] * N_REQ, params)
+    flat = np.array([sum(t * V ** (T_OUT - 1 - j) for j, t in enumerate(o.token_ids)) for o in outs])
+    stats = engine.stats
+    assert stats.cache_hits > 50 and stats.cache_lookups - stats.cache_hits > 50, "need hits and misses"
+    assert speculator.stats.interrupted > 0
+    assert pooled_chisquare(np.bincount(flat, minlength=V**T_OUT), exact_law(target, prompt, temperature)) > 1e-4
+
+
+def _speculator(draft, fanout=2):
+    settings = SpeculatorSettings("draft_model", K, [fanout] * (K + 1), None, "neural", 8, 1.0, (1, 4), 1, 512,
+                                  vocab_size=draft.config.vocab_size)
+    return build_speculator(settings, draft)
+
+
+@pytest.mark.parametrize("stop_at", range(K + 1))
+def test_a_backup_after_an_interrupted_build_drafts_what_it_drafts_after_a_full_one(stop_at, byte_tokenizer):
+    """Round 1 (backup), full build; round 2 hits; its build stops at check ``stop_at`` (0: before the proposal's
+    forward) in one speculator and finishes in the other; round 3 misses in both: the same backup chain."""
+    draft = noisy_copy(make_tiny_llama(seed=3), 0.02)
+    greedy = SamplingParams(temperature=0.0, max_tokens=64)
+    runs = []
+    for interrupt in (False, True):
+        spec = _speculator(draft)
+        spec.budget.worth_finishing = lambda remaining_s: False
+        spec.add(0, [5, 6, 7, 8, 9], greedy, seed=0)
+        first = spec.propose([SpecRequest(0, -1, 0, K)])[0].tokens
+        spec.build()
+        path, bonus = min(spec.seqs[0].cache)  # a cached outcome: round 2 hits
+        second = spec.propose([SpecRequest(0, len(path), bonus, K)])[0]
+        assert second.cache_hit is True
+        checks = []
+        stopped = spec.build(lambda: checks.append(1) or (interrupt and len(checks) > stop_at))
+        assert stopped is not interrupt and len(checks) == (stop_at + 1 if interrupt else K + 1)
+        seq = spec.seqs[0]
+        assert not seq.cache if interrupt else len(seq.cache) == 2 * (K + 1)
+        miss = next(t for t in range(200) if t not in seq.candidates.get((), []) and t != second.tokens[0])
+        third = spec.propose([SpecRequest(0, 0, miss, K)])[0]
+        assert third.cache_hit is False
+        runs.append((first, second.tokens, third.tokens, spec.stats.interrupted))
+    assert runs[0][:3] == runs[1][:3]
+    assert (runs[0][3], runs[1][3]) == (0, 1)
+
+
+def test_a_build_is_finished_only_when_that_answers_sooner_on_average():
+    budget = BuildBudget()
+    assert budget.worth_finishing(1.0)  # no build measured yet: finish (as before builds could stop)
+    budget.observe_build(1.0, 10, 4, 1.0)  # (warm-up: not observed)
+    budget.observe_build(2e-3, 10, 4, 4 * 1e-3)  # 1 ms a forward over 10 branches, proportional
+    assert not budget.worth_finishing(0.0)  # no backup measured: stop
+    budget.observe_backup(10e-3)
+    assert budget.hits_after_full / budget.lookups_after_full == 0.5  # the prior
+    assert budget.worth_finishing(4e-3) and not budget.worth_finishing(6e-3)  # R < p B = 5 ms
+    for hit in (True, True, True, True, True, True, False, False):  # p = (1 + 6) / (2 + 8) = 0.7
+        budget.observe_lookup(hit)
+    assert budget.worth_finishing(6.9e-3) and not budget.worth_finishing(7.1e-3)
+    assert budget.remaining_s(3, 10) == pytest.approx(3e-3)
+    assert budget.remaining_s(4, 10, fixed=True) == pytest.approx(6e-3)
+
+
+class SlowBuildSteps:
+    """Wraps a draft backend's ``step``: sleeps ``delay`` seconds first while a build runs (backups stay fast);
+    ``longest`` is the longest forward (``step`` or ``forward``) a build ran, ``builds`` every build's duration
+    (seconds)."""
+
+    def __init__(self, speculator, delay: float):
+        backend = speculator.backend
+        self.delay, self.building, self.longest, self.builds = delay, False, 0.0, []
+        build, step, forward = speculator.build, backend.step, backend.forward
+
+        def timed_build(*args, **kwargs):
+            self.building, start = True, time.perf_counter()
+            try:
+                return build(*args, **kwargs)
+            finally:
+                self.building = False
+                self.builds.append(time.perf_counter() - start)
+
+        def timed(method, sleep):
+            def call(*args, **kwargs):
+                start = time.perf_counter()
+                if self.building and sleep:
+                    time.sleep(self.delay)
+                out = method(*args, **kwargs)
+                if self.building:
+                    self.longest = max(self.longest, time.perf_counter() - start)
+                return out
+            return call
+
+        speculator.build, backend.step, backend.forward = timed_build, timed(step, True), timed(forward, False)
+
+
+class AlternatingTarget:
+    """Wraps a model runner's forward: sleeps ``delays[i % len(delays)]`` before the i-th forward."""
+
+    def __init__(self, runner, delays: list[float]):
+        self.forward, self.delays, self.calls = runner.forward, delays, 0
+
+    def __call__(self, batch, **kwargs):
+        time.sleep(self.delays[self.calls % len(self.delays)])
+        self.calls += 1
+        return self.forward(batch, **kwargs)
+
+
+def test_an_outcome_arriving_mid_build_is_answered_within_one_branch_step(byte_tokenizer):
+    """The speculator serves over a real link on a thread; its branch steps take ``step_s`` each, so a full build
+    (K steps) outlasts the short verifications but not the long ones. Bound: the verifier waits at most one branch
+    step more than the speculator's own propose (lookup and backup) takes, where a build that is not stopped would
+    keep it waiting ~(K - 1) steps more after a short verification."""
+    step_s = 0.15
+    target = make_tiny_llama(seed=3)
+    engine = ssd_engine(target, noisy_copy(target, 0.02), byte_tokenizer, max_num_seqs=1)
+    speculator = engine.drafter.speculator.speculator
+    speculator.budget.cap = lambda: None  # every build full-size: only the interruption bounds the wait
+    slow = SlowBuildSteps(speculator, step_s)
+    engine.target.forward = AlternatingTarget(engine.target, [0.0, 0.9])
+    verifier_end, speculator_end, _store = _pair(torch.float64)
+    server = threading.Thread(target=serve, args=(speculator, speculator_end, []))
+    server.start()
+    link = SpeculatorLink(verifier_end, target.config.vocab_size, timeout=30)
+    waits, answers = [], []  # per round: the verifier's wait; the speculator's propose
+
+    def timed(method, into):
+        def call(requests):
+            start = time.perf_counter()
+            replies = method(requests)
+            into.append(time.perf_counter() - start)
+            return replies
+        return call
+
+    link.propose, speculator.propose = timed(link.propose, waits), timed(speculator.propose, answers)
+    engine.drafter.speculator = link
+    try:
+        greedy_with_hits_and_misses(engine, target, random_prompts(2, seed=4))
+    finally:
+        link.close()
+        server.join(timeout=30)
+    assert speculator.stats.interrupted > 0
+    assert len(waits) == len(answers)
+    # round 0 follows no build, rounds 1 and 2 the two builds not yet measured (they finish, as before)
+    late = sorted(w - a for w, a in list(zip(waits, answers))[3:])
+    # slack for the link and two threads on a loaded machine (a stray pause is allowed one round in ten); a build
+    # that is not stopped keeps the verifier >= (K - 1) * step_s late
+    shown = ([round(x, 3) for x in late], slow.longest)
+    assert late[int(0.9 * (len(late) - 1))] <= slow.longest + step_s / 2, shown
+    assert late[-1] < (K - 1) * step_s, shown
+
+
+def test_an_in_process_build_stops_at_its_deadline(byte_tokenizer):
+    """LocalSpeculator(build_seconds=...): a build whose K slow steps overrun the deadline stops at the first step
+    boundary past it; the greedy output stays the target's."""
+    step_s, deadline_s = 0.03, 0.05
+    target = make_tiny_llama(seed=3)
+    engine = ssd_engine(target, noisy_copy(target, 0.02), byte_tokenizer, max_num_seqs=1)
+    local = engine.drafter.speculator
+    local.build_seconds = deadline_s  # (a deadline stops the build whatever finishing would pay)
+    slow = SlowBuildSteps(local.speculator, step_s)
+    prompts = random_prompts(2, seed=4)
+    outs = LLM(engine=engine).generate(prompts, SamplingParams(temperature=0.0, max_tokens=16))
+    for prompt, out in zip(prompts, outs):
+        assert out.token_ids == reference_greedy(target, prompt, 16)
+    assert local.speculator.stats.interrupted == local.speculator.stats.builds > 0  # a full build: >= K * step_s
+    assert max(slow.builds) <= deadline_s + slow.longest + step_s, (slow.builds, slow.longest)
