@@ -8,8 +8,9 @@ held-out MT-Bench questions (first turn) and held-out HumanEval problems, render
 ``--node-table`` serves each draft with SSD instead (speculator in this process, trees of ``--tree-budget`` nodes
 and a chain, fan-out budget ``--fanout-budget``) and prints the per-node hit table of
 :class:`ssd_eagle.ssd.branch_trees.NodeHitTable`: for every node (rank path; depth, rank among siblings) how often
-it was proposed, how often the verification outcome landed on it, how often the bonus was among the candidates
-stored there, and the histogram of the bonus's rank among the draft's candidates there (last column: past them).
+it was proposed, how often the verification outcome landed on it (and the draft's own estimate of that), how
+often the bonus was among the candidates stored there, and the histogram of the bonus's rank among the draft's
+candidates there (last column: past them).
 
     python scripts/eval_draft.py --draft eagle3=drafts/smollm2-135m-eagle3 --node-table --limit 4 --max-tokens 64
 """
@@ -58,12 +59,12 @@ def node_table(model, tokenizer, spec: SpeculativeConfig, prompts: list[list[int
 
 def print_node_table(name: str, result: dict) -> None:
     print(f"\n{name}: cache hit {result['hit']:.3f}, tau {result['tau']:.3f}")
-    print(f"{'node':18s} {'depth':>5s} {'sib':>3s} {'proposed':>8s} {'landed':>6s} {'land':>5s} {'hit':>5s}  "
-          "bonus rank 0..7, past")
+    print(f"{'node':18s} {'depth':>5s} {'sib':>3s} {'proposed':>8s} {'landed':>6s} {'land':>5s} {'draft':>5s} "
+          f"{'hit':>5s}  bonus rank 0..7, past")
     for r in result["rows"]:
         hit = "-" if r["stored_hit_rate"] is None else f"{r['stored_hit_rate']:.2f}"
         print(f"{str(r['node']):18s} {r['depth']:5d} {r['sibling_rank']:3d} {r['proposed']:8d} {r['landed']:6d} "
-              f"{r['land_rate']:5.2f} {hit:>5s}  {r['bonus_rank_hist']}")
+              f"{r['land_rate']:5.2f} {r['draft_land']:5.2f} {hit:>5s}  {r['bonus_rank_hist']}")
 
 
 def main() -> None:

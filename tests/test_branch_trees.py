@@ -6,13 +6,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import make_tiny_llama, noisy_copy, random_prompts, reference_greedy
+from helpers import make_tiny_llama, noisy_copy, random_prompts
 from ssd_eagle.config import SpeculativeConfig
 from ssd_eagle.drafters.base import Proposal
 from ssd_eagle.engine.llm import LLM
 from ssd_eagle.sampling_params import SamplingParams
-from ssd_eagle.ssd.branch_trees import NodeHitTable, NodeLayout, allocate_fanout, tree_fanout
-from test_ssd import ssd_engine
+from ssd_eagle.ssd.branch_trees import (NodeHitTable, NodeLayout, allocate_fanout, draft_land_probabilities,
+                                        tree_fanout)
+from test_ssd import _greedy_outputs_match, ssd_engine
 
 K = 3
 TREE = dict(tree_budget=6, tree_depth=K, tree_topk=2)
@@ -50,13 +51,13 @@ def test_tree_fanout_from_a_hand_computed_hit_table():
     nodes = NodeLayout.of(proposal)
     table = NodeHitTable(max_rank=4, prior_rounds=0.0)
     for _ in range(8):
-        table.observe_proposal(nodes.key)
+        table.observe_proposal(nodes.key, [0.25] * 4)
     for key, rank in [((), 0), ((), 0), ((), 1), ((), -1), ((0,), 0), ((0,), 0), ((1,), 1), ((0, 0), 0)]:
         table.observe_outcome(key, rank, stored=2)
-    probs = torch.full((4, 5), 0.2)  # the draft's own estimate: weightless here (prior_rounds = 0)
-    assert tree_fanout(probs, nodes, proposal.tokens, table, 4, power=1.0) == [2, 1, 0, 1]
+    land = [0.7, 0.1, 0.1, 0.1]  # the draft's own estimate: weightless here (prior_rounds = 0)
+    assert tree_fanout(land, nodes, table, 4, power=1.0) == [2, 1, 0, 1]
     rows = {r["node"]: r for r in table.rows()}
-    assert rows[()]["land_rate"] == 0.5 and rows[()]["stored_hit_rate"] == 0.75
+    assert rows[()]["land_rate"] == 0.5 and rows[()]["stored_hit_rate"] == 0.75 and rows[()]["draft_land"] == 0.25
     assert rows[(1,)]["bonus_rank_hist"][:2] == [0, 1]
 
 
@@ -65,10 +66,11 @@ def test_tree_fanout_before_any_outcome_uses_the_drafts_probabilities_and_the_po
     1 - 1/2 = 0.5, 1/2 - 1/3, 1/3 - 1/4. Gains: root 0.2, 0.067, 0.033; child 0.3, 0.1, 0.05."""
     proposal = Proposal([0], parents=[0])
     nodes = NodeLayout.of(proposal)
-    probs = torch.tensor([[0.6, 0.2, 0.1, 0.1], [0.7, 0.2, 0.05, 0.05]])
+    land = draft_land_probabilities(torch.tensor([[0.6, 0.2, 0.1, 0.1], [0.7, 0.2, 0.05, 0.05]]), nodes, [0])
+    assert land == pytest.approx([0.4, 0.6])
     table = NodeHitTable(max_rank=4)
-    assert tree_fanout(probs, nodes, proposal.tokens, table, 3, power=1.0) == [1, 2]
-    assert tree_fanout(probs, nodes, proposal.tokens, table, 4, power=1.0) == [2, 2]
+    assert tree_fanout(land, nodes, table, 3, power=1.0) == [1, 2]
+    assert tree_fanout(land, nodes, table, 4, power=1.0) == [2, 2]
 
 
 @pytest.mark.parametrize("strategy", [dict(fanout=[3]), dict(fanout_strategy="geometric", fanout_acceptance=0.6)],
@@ -98,10 +100,7 @@ def test_trees_store_fanout_budget_candidates_per_round(strategy, byte_tokenizer
 def test_greedy_ssd_trees_equal_target_greedy_with_hits_and_misses(variant, byte_tokenizer):
     target = make_tiny_llama(seed=3)
     engine = ssd_engine(target, noisy_copy(target, 0.02), byte_tokenizer, k=K, **TREE, **variant)
-    prompts = random_prompts(6, seed=2)
-    outs = LLM(engine=engine).generate(prompts, SamplingParams(temperature=0.0, max_tokens=20))
-    for prompt, out in zip(prompts, outs):
-        assert out.token_ids == reference_greedy(target, prompt, 20)
+    _greedy_outputs_match(LLM(engine=engine), target, random_prompts(6, seed=2), 20)
     stats = engine.stats
     assert stats.cache_hits > 0 and stats.cache_lookups > stats.cache_hits, "hits and misses must both occur"
     table = engine.drafter.speculator.speculator.node_table
@@ -129,9 +128,22 @@ def test_a_stopped_tree_build_keeps_shallower_trees_and_stays_lossless(byte_toke
         return replies
 
     local.propose = propose
-    prompts = random_prompts(4, seed=5)
-    outs = LLM(engine=engine).generate(prompts, SamplingParams(temperature=0.0, max_tokens=20))
-    for prompt, out in zip(prompts, outs):
-        assert out.token_ids == reference_greedy(target, prompt, 20)
+    _greedy_outputs_match(LLM(engine=engine), target, random_prompts(4, seed=5), 20)
     assert engine.stats.cache_hits > 0
     assert depths and max(depths) == 2  # K = 3 levels would have been grown
+
+
+def test_a_tree_spreads_only_the_time_budgets_branches(byte_tokenizer):
+    """Under the build's branch cap (:mod:`ssd_eagle.ssd.budget`) a tree allocates the capped count over its
+    nodes, by the same gains, instead of storing B and dropping the rest by rank."""
+    target = make_tiny_llama(seed=3)
+    engine = ssd_engine(target, noisy_copy(target, 0.02), byte_tokenizer, max_num_seqs=1, k=K, fanout_budget=10,
+                        **TREE)
+    speculator = engine.drafter.speculator.speculator
+    speculator.budget.cap = lambda: 3
+    engine.add_request("a", [5, 6, 7, 8], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
+    stored = []
+    while engine.has_unfinished():
+        engine.step()
+        stored += [(sum(map(len, s.candidates.values())), len(s.cache)) for s in speculator.seqs.values()]
+    assert stored and set(stored) == {(3, 3)}

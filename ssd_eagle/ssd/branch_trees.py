@@ -98,48 +98,62 @@ def allocate_fanout(gains: list[list[float]], budget: int) -> list[int]:
 
 
 class NodeHitTable:
-    """Per rank path: rounds that proposed it, outcomes that landed on it, and the true bonus's rank among the
-    draft's ``max_rank`` best candidates there (-1: not among them), measured whatever fan-out was stored.
+    """Per rank path: rounds that proposed it (with the draft's own P(land there) summed), outcomes that landed on
+    it, and the true bonus's rank among the draft's ``max_rank`` best candidates there (-1: not among them),
+    measured whatever fan-out was stored.
+
+    Estimates blend the counts with a prior worth ``prior_rounds`` observations: P(land) with the draft's own
+    estimate this round; P(bonus rank = f) with the ranks pooled over every node, themselves blended with the
+    power law. So a rarely proposed node borrows from the draft and from the other nodes.
 
     Args:
         max_rank: candidates ranked per node.
-        prior_rounds: weight, in rounds, of the draft's own estimate against the counts.
+        prior_rounds: weight of the priors, in observations.
     """
 
-    def __init__(self, max_rank: int, prior_rounds: float = 4.0):
+    def __init__(self, max_rank: int, prior_rounds: float = 16.0):
         self.max_rank, self.prior_rounds = max_rank, prior_rounds
         self.proposed: Counter = Counter()
+        self.predicted: Counter = Counter()
         self.landed: Counter = Counter()
         self.stored_hits: Counter = Counter()
         self.ranks: defaultdict[tuple, Counter] = defaultdict(Counter)
+        self.pooled: Counter = Counter()
 
-    def observe_proposal(self, keys: list[tuple[int, ...]]) -> None:
-        self.proposed.update(keys)
+    def observe_proposal(self, keys: list[tuple[int, ...]], predicted: list[float]) -> None:
+        """A verified proposal's nodes, with the draft's own P(land) of each (:func:`draft_land_probabilities`)."""
+        for key, p in zip(keys, predicted):
+            self.proposed[key] += 1
+            self.predicted[key] += p
 
     def observe_outcome(self, key: tuple[int, ...], rank: int, stored: int) -> None:
         """Verification landed on ``key``; the bonus had ``rank`` (-1: past ``max_rank``); ``stored`` were cached."""
         self.landed[key] += 1
         self.ranks[key][rank] += 1
+        self.pooled[rank] += 1
         self.stored_hits[key] += 0 <= rank < stored
 
     def land_probability(self, key: tuple[int, ...], prior: float) -> float:
         """P(land at ``key`` | proposed), the counts blended with ``prior`` (the draft's estimate this round)."""
-        w = self.prior_rounds
-        return (self.landed[key] + w * prior) / (self.proposed[key] + w)
+        n, w = self.proposed[key], self.prior_rounds
+        return (self.landed[key] + w * prior) / (n + w) if n + w else prior
 
-    def rank_probabilities(self, key: tuple[int, ...], prior: list[float]) -> list[float]:
-        """P(bonus rank = f | landed at ``key``) for f < len(prior), the counts blended with ``prior``."""
-        n, w, counts = self.landed[key], self.prior_rounds, self.ranks[key]
-        return [(counts[f] + w * p) / (n + w) for f, p in enumerate(prior)]
+    def rank_probabilities(self, key: tuple[int, ...] | None, prior: list[float]) -> list[float]:
+        """P(bonus rank = f | landed at ``key``) for f < len(prior), the counts blended with ``prior``;
+        ``key=None``: pooled over every node."""
+        counts = self.pooled if key is None else self.ranks[key]
+        n, w = sum(counts.values()), self.prior_rounds
+        return [(counts[f] + w * p) / (n + w) for f, p in enumerate(prior)] if n + w else list(prior)
 
     def rows(self) -> list[dict]:
-        """The table: one row per rank path (depth, rank among siblings, counts, rates), shallowest first."""
+        """The table: one row per rank path (depth, rank among siblings, counts, rates), shallowest first;
+        ``draft_land``: the draft's own mean P(land) there, next to the measured ``land_rate``."""
         out = []
         for key in sorted(self.proposed, key=lambda k: (len(k), k)):
-            n, counts = self.landed[key], self.ranks[key]
-            out.append({"node": key, "depth": len(key), "sibling_rank": key[-1] if key else 0,
-                        "proposed": self.proposed[key], "landed": n,
-                        "land_rate": n / self.proposed[key], "stored_hit_rate": self.stored_hits[key] / n if n else None,
+            n, counts, m = self.landed[key], self.ranks[key], self.proposed[key]
+            out.append({"node": key, "depth": len(key), "sibling_rank": key[-1] if key else 0, "proposed": m,
+                        "landed": n, "land_rate": n / m, "draft_land": self.predicted[key] / m,
+                        "stored_hit_rate": self.stored_hits[key] / n if n else None,
                         "bonus_rank_hist": [counts[f] for f in range(min(self.max_rank, 8))] + [counts[-1]]})
         return out
 
@@ -150,17 +164,15 @@ def power_law_rank_prior(count: int, power: float) -> list[float]:
     return [(f + 1) ** -power - (f + 2) ** -power for f in range(count)]
 
 
-def tree_fanout(probs: torch.Tensor, nodes: NodeLayout, tokens: list[int], table: NodeHitTable, budget: int,
-                power: float) -> list[int]:
+def tree_fanout(land: list[float], nodes: NodeLayout, table: NodeHitTable, budget: int, power: float) -> list[int]:
     """Candidates per node of a tree proposal: :func:`allocate_fanout` of ``budget`` over the gains
-    ``P(land at u) * P(bonus rank = f | u)`` from ``table`` (the draft's probabilities ``probs`` [T + 1, V] and
-    the power law with ``power`` as the prior)."""
-    land = draft_land_probabilities(probs, nodes, tokens)
-    rank_prior = power_law_rank_prior(min(budget, table.max_rank), power)
+    ``P(land at u) * P(bonus rank = f | u)`` from ``table``, with the draft's own P(land) ``land`` (per node,
+    :func:`draft_land_probabilities`) and the power law with ``power`` as priors."""
+    pooled = table.rank_probabilities(None, power_law_rank_prior(min(budget, table.max_rank), power))
     gains = []
     for u, key in enumerate(nodes.key):
         p = table.land_probability(key, land[u])
-        gains.append([p * h for h in table.rank_probabilities(key, rank_prior)])
+        gains.append([p * h for h in table.rank_probabilities(key, pooled)])
     return allocate_fanout(gains, budget)
 
 

@@ -39,8 +39,8 @@ from ssd_eagle.drafters.ngram import lookup_continuation
 from ssd_eagle.drafters.tree import TreeSettings
 from ssd_eagle.kv_cache import ForwardBatch
 from ssd_eagle.sampling_params import SamplingParams
-from ssd_eagle.ssd.branch_trees import (NodeHitTable, NodeLayout, draft_branch_trees, outcome_branches,
-                                        ranked_candidates, tree_fanout)
+from ssd_eagle.ssd.branch_trees import (NodeHitTable, NodeLayout, draft_branch_trees, draft_land_probabilities,
+                                        outcome_branches, ranked_candidates, tree_fanout)
 from ssd_eagle.ssd.budget import BuildBudget
 
 
@@ -77,7 +77,7 @@ class _Seq:
     path_base: int = 0  # len(token_ids) when the proposal was made
     cache: dict[tuple[tuple[int, ...], int], Proposal] = field(default_factory=dict)
     candidates: dict[tuple[int, ...], list[int]] = field(default_factory=dict)  # per accepted path, best first
-    ranked: dict[tuple[int, ...], tuple[tuple[int, ...], list[int]]] = field(default_factory=dict)  # path -> node
+    nodes: tuple[NodeLayout, list[list[int]], list[float]] | None = None  # the proposal's, ranks, draft's P(land)
 
 
 @dataclass
@@ -169,7 +169,7 @@ class Speculator:
             else:
                 misses.append(i)
                 replies[i] = Proposal([], cache_hit=hit, lookup_k=lookup_k)
-            seq.cache, seq.ranked = {}, {}
+            seq.cache, seq.nodes = {}, None
             self._to_build.append((seq, hit is False))
         if misses:
             fast = self.backup == "fast" or (self.backup == "auto" and len(requests) >= self.fast_backup_batch)
@@ -197,10 +197,12 @@ class Speculator:
         cands = seq.candidates.get(path)
         if cands is not None:
             self.stats.bonus_ranks.append(cands.index(bonus) if bonus in cands else -1)
-        if path in seq.ranked:  # the node the outcome landed on, and the bonus's rank whatever was stored there
-            self.node_table.observe_proposal([key for key, _ in seq.ranked.values()])
-            key, ranked = seq.ranked[path]
-            self.node_table.observe_outcome(key, ranked.index(bonus) if bonus in ranked else -1, len(cands or []))
+        if seq.nodes is not None and path in seq.nodes[0].path:  # the node the outcome landed on, and the bonus's
+            nodes, ranked, land = seq.nodes                         # rank there whatever was stored
+            u = nodes.path.index(path)
+            self.node_table.observe_proposal(nodes.key, land)
+            self.node_table.observe_outcome(nodes.key[u], ranked[u].index(bonus) if bonus in ranked[u] else -1,
+                                            len(cands or []))
         self.stats.lookups += 1
         hit = (path, bonus) in seq.cache
         self.stats.hits += hit
@@ -309,14 +311,15 @@ class Speculator:
         proposal = seq.proposal
         nodes = NodeLayout.of(proposal)
         ranked = ranked_candidates(logits, nodes, proposal.tokens, self.node_table.max_rank)
+        land = draft_land_probabilities(torch.softmax(logits.float(), dim=-1), nodes, proposal.tokens)
         fan = self.fanout_miss if missed else self.fanout
         if proposal.parents is None:  # a chain: F by depth, the all-accepted outcome gets F_K
             m = len(proposal.tokens)
             fan = [fan[d] if d < m else fan[self.K] for d in nodes.depth]
         else:
-            fan = tree_fanout(torch.softmax(logits.float(), dim=-1), nodes, proposal.tokens, self.node_table,
-                              sum(fan) if limit is None else min(sum(fan), limit), self.power)
-        seq.ranked = dict(zip(nodes.path, zip(nodes.key, ranked)))
+            fan = tree_fanout(land, nodes, self.node_table, sum(fan) if limit is None else min(sum(fan), limit),
+                              self.power)
+        seq.nodes = (nodes, ranked, land)
         branches, seq.candidates = outcome_branches(nodes, ranked, fan, kv, hidden)
         return branches
 
