@@ -66,7 +66,8 @@ def test_tree_fanout_before_any_outcome_uses_the_drafts_probabilities_and_the_po
     1 - 1/2 = 0.5, 1/2 - 1/3, 1/3 - 1/4. Gains: root 0.2, 0.067, 0.033; child 0.3, 0.1, 0.05."""
     proposal = Proposal([0], parents=[0])
     nodes = NodeLayout.of(proposal)
-    land = draft_land_probabilities(torch.tensor([[0.6, 0.2, 0.1, 0.1], [0.7, 0.2, 0.05, 0.05]]), nodes, [0])
+    probs = torch.tensor([[0.6, 0.2, 0.1, 0.1], [0.7, 0.2, 0.05, 0.05]])
+    land = draft_land_probabilities(probs.log(), nodes, [0])
     assert land == pytest.approx([0.4, 0.6])
     table = NodeHitTable(max_rank=4)
     assert tree_fanout(land, nodes, table, 3, power=1.0) == [1, 2]

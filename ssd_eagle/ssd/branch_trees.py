@@ -65,15 +65,18 @@ def ranked_candidates(logits: torch.Tensor, nodes: NodeLayout, tokens: list[int]
             for u in range(len(nodes.depth))]
 
 
-def draft_land_probabilities(probs: torch.Tensor, nodes: NodeLayout, tokens: list[int]) -> list[float]:
+def draft_land_probabilities(logits: torch.Tensor, nodes: NodeLayout, tokens: list[int]) -> list[float]:
     """P(verification ends at u) for every node if the draft's own distributions were the target's: P(reach u)
-    times P(stop at u) = 1 - the children's mass. ``probs``: [T + 1, V] draft probabilities after each node."""
-    reach = [1.0] * len(nodes.depth)
+    times P(stop at u) = 1 - the children's mass. ``logits``: [T + 1, V] draft logits after each node."""
+    if not nodes.parents:
+        return [1.0]
+    probs = torch.softmax(logits.float(), dim=-1)  # (faster than a logsumexp on CPU)
+    child = probs[torch.tensor(nodes.parents), torch.tensor(tokens)].tolist()
+    reach, stop = [1.0] * len(nodes.depth), [1.0] * len(nodes.depth)
     for u in range(1, len(reach)):
-        parent = nodes.parents[u - 1]
-        reach[u] = reach[parent] * float(probs[parent, tokens[u - 1]])
-    return [reach[u] * max(1.0 - sum(float(probs[u, tokens[c - 1]]) for c in nodes.children[u]), 0.0)
-            for u in range(len(reach))]
+        reach[u] = reach[nodes.parents[u - 1]] * child[u - 1]
+        stop[nodes.parents[u - 1]] -= child[u - 1]
+    return [r * max(s, 0.0) for r, s in zip(reach, stop)]
 
 
 def allocate_fanout(gains: list[list[float]], budget: int) -> list[int]:

@@ -105,7 +105,7 @@ class Speculator:
         saguaro: Saguaro sampling (C and the fan-out it scales with); None = plain sampling.
         prompt_lookup: (min_n, max_n) of the fast backup.
         tree: propose dynamic trees of this shape instead of chains.
-        power: r of the hit-rate power law, for the tree fan-out.
+        power: r of the hit-rate power law (the prior on bonus ranks of the tree fan-out).
 
     Raises:
         ValueError: fan-out lists of the wrong length or an unknown backup.
@@ -311,7 +311,7 @@ class Speculator:
         proposal = seq.proposal
         nodes = NodeLayout.of(proposal)
         ranked = ranked_candidates(logits, nodes, proposal.tokens, self.node_table.max_rank)
-        land = draft_land_probabilities(torch.softmax(logits.float(), dim=-1), nodes, proposal.tokens)
+        land = draft_land_probabilities(logits, nodes, proposal.tokens)
         fan = self.fanout_miss if missed else self.fanout
         if proposal.parents is None:  # a chain: F by depth, the all-accepted outcome gets F_K
             m = len(proposal.tokens)
