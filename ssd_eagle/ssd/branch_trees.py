@@ -10,7 +10,14 @@ draft's candidates there. With those counts the fan-out goes where it pays: the 
 ``P(land at u) * P(bonus has rank f | landed at u)`` expected hits, and :func:`allocate_fanout` gives the budget B
 to the largest gains, node by node (the marginal-gain rule the chain's geometric fan-out solves in closed form).
 Until a rank path has been seen, its probabilities are the draft's own (:func:`draft_land_probabilities`, and
-the power law ``1 - p_hit(F) = F^-r`` of :mod:`ssd_eagle.ssd.fanout`), blended with the counts as they arrive.
+the power law of :mod:`ssd_eagle.ssd.fanout`, :func:`power_law_rank_prior`), blended with the counts as they arrive.
+
+Measured 2026-12-01 (``scripts/eval_draft.py --node-table``; SmolLM2-135M bfloat16 with the committed EAGLE-3
+head, AMD EPYC avx512_bf16, held-out prompts, K = 5, B = 24, T = 0, no time cap): the outcome lands on the root
+in 55-65% of rounds and on the best first child in 18-27%; the draft's own P(land) matches those rates within a
+few points. A 16-node tree (top-4) moves the root's best bonus candidates into its children, so the true bonus
+there is past the 24 best remaining candidates 65% of the time: cache hit 0.15 against the chain's 0.32 (4 prompts
+x 64 tokens). A 6-node tree (top-2) hit as often as the chain (0.24 and 0.24 on 2 prompts; tau 1.58 against 1.50).
 """
 
 from __future__ import annotations
