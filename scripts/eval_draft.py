@@ -8,6 +8,15 @@ held-out MT-Bench questions (first turn) and held-out HumanEval problems, render
 
 ``--curve RUN_DIR`` writes ``RUN_DIR/learning_curve.png`` from the training run's ``metrics.jsonl`` (loss, top-1
 accuracy per TTT step and held-out tau against steps; :func:`train.tracking.plot_learning_curve`).
+
+``--node-table`` serves each draft with SSD instead (speculator in this process, trees of ``--tree-budget`` nodes
+and a chain, fan-out budget ``--fanout-budget``) and prints the per-node hit table of
+:class:`ssd_eagle.ssd.branch_trees.NodeHitTable`: for every node (rank path; depth, rank among siblings) how often
+it was proposed, how often the verification outcome landed on it (and the draft's own estimate of that), how
+often the bonus was among the candidates stored there, and the histogram of the bonus's rank among the draft's
+candidates there (last column: past them).
+
+    python scripts/eval_draft.py --draft eagle3=drafts/smollm2-135m-eagle3 --node-table --limit 4 --max-tokens 64
 """
 
 from __future__ import annotations
@@ -20,9 +29,10 @@ from pathlib import Path
 import torch
 
 from ssd_eagle.assets import DEFAULT_MODEL, load_model
-from ssd_eagle.config import SpeculativeConfig
+from ssd_eagle.config import EngineConfig, SpeculativeConfig
 from ssd_eagle.drafters import build_drafter
 from ssd_eagle.engine.llm import LLM, render_chat
+from ssd_eagle.engine.factory import make_drafter
 from ssd_eagle.engine.llm_engine import LLMEngine
 from ssd_eagle.platform import DTYPE_HELP, DTYPES, describe_line, resolve_dtype
 from ssd_eagle.prompts import heldout_prompts
@@ -42,6 +52,27 @@ def evaluate(model, tokenizer, spec: SpeculativeConfig, prompts: list[list[int]]
             "tokens": s.num_emitted, "seconds": round(time.perf_counter() - start, 1)}
 
 
+def node_table(model, tokenizer, spec: SpeculativeConfig, prompts: list[list[int]], max_tokens: int) -> dict:
+    """SSD with ``spec`` (speculator in this process) over ``prompts``; the speculator's per-node hit table."""
+    config = EngineConfig(model="in-memory", mode="ssd", speculative_config=spec, max_num_seqs=1, max_model_len=4096)
+    drafter = make_drafter(config, model, 4096)
+    engine = LLMEngine(model, tokenizer, drafter, num_speculative_tokens=spec.num_speculative_tokens, max_num_seqs=1,
+                       max_model_len=4096, max_draft_tokens=spec.max_draft_tokens)
+    LLM(engine=engine).generate(prompts, SamplingParams(temperature=0.0, max_tokens=max_tokens), use_tqdm=True)
+    s = engine.stats
+    return {"hit": s.cache_hit_rate, "tau": s.tau, "rows": drafter.speculator.speculator.node_table.rows()}
+
+
+def print_node_table(name: str, result: dict) -> None:
+    print(f"\n{name}: cache hit {result['hit']:.3f}, tau {result['tau']:.3f}")
+    print(f"{'node':18s} {'depth':>5s} {'sib':>3s} {'proposed':>8s} {'landed':>6s} {'land':>5s} {'draft':>5s} "
+          f"{'hit':>5s}  bonus rank 0..7, past")
+    for r in result["rows"]:
+        hit = "-" if r["stored_hit_rate"] is None else f"{r['stored_hit_rate']:.2f}"
+        print(f"{str(r['node']):18s} {r['depth']:5d} {r['sibling_rank']:3d} {r['proposed']:8d} {r['landed']:6d} "
+              f"{r['land_rate']:5.2f} {r['draft_land']:5.2f} {hit:>5s}  {r['bonus_rank_hist']}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=DEFAULT_MODEL)
@@ -57,6 +88,10 @@ def main() -> None:
     ap.add_argument("--curve", action="append", default=[], metavar="RUN_DIR",
                     help="write RUN_DIR/learning_curve.png from a training run's metrics.jsonl (repeatable)")
     ap.add_argument("--no-eval", action="store_true", help="only write the --curve PNGs")
+    ap.add_argument("--node-table", action="store_true", help="SSD per-node hit tables (trees and chains) instead")
+    ap.add_argument("--tree-budget", type=int, default=16)
+    ap.add_argument("--tree-topk", type=int, default=4)
+    ap.add_argument("--fanout-budget", type=int, default=24)
     args = ap.parse_args()
 
     for run_dir in args.curve:
@@ -73,6 +108,17 @@ def main() -> None:
         specs[f"{method}:{path}"] = SpeculativeConfig(method=method, model=path, num_speculative_tokens=args.k)
     splits = {split: [render_chat(tokenizer, p["messages"]) for p in heldout_prompts(split)[: args.limit]]
               for split in ("mtbench", "humaneval")}
+    if args.node_table:
+        every = [p for prompts in splits.values() for p in prompts]
+        for name, spec in list(specs.items())[1:]:
+            ssd = {**spec.to_dict(), "speculator": "local", "fanout_budget": args.fanout_budget}
+            tree = {"tree_budget": args.tree_budget, "tree_depth": args.k, "tree_topk": args.tree_topk}
+            chain = {"fanout_strategy": "geometric"}
+            for kind, extra in (("tree", tree), ("chain", chain)):
+                result = node_table(model, tokenizer, SpeculativeConfig(**{**ssd, **extra}), every, args.max_tokens)
+                print_node_table(f"{name} {kind} B={args.fanout_budget}", result)
+        print(f"\n{describe_line('cpu', dtype)}\nK={args.k} T=0 max_tokens={args.max_tokens} prompts={len(every)}")
+        return
     table = {}
     for name, spec in specs.items():
         for split, prompts in splits.items():

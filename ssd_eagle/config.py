@@ -75,7 +75,8 @@ class SpeculativeConfig(ConfigModel):
     fanout_strategy: Literal["manual", "uniform", "geometric"] = Field(
         "manual", description="manual (use fanout), uniform or geometric (from fanout_budget, fanout_acceptance a "
         "and fanout_power r; see ssd_eagle.ssd.fanout)")
-    fanout_budget: int = Field(24, description="branches per sequence for the uniform and geometric strategies")
+    fanout_budget: int = Field(24, description="branches per sequence for the uniform and geometric strategies, "
+                               "and for trees under every strategy (manual: the fanout list scaled to it)")
     fanout_acceptance: float = Field(0.7, description="a, the draft's acceptance rate (geometric)")
     fanout_power: Power = Field(
         1.0, description="r > 0, the power of the geometric fan-out (and of the tree fan-out), or auto: the "
@@ -147,8 +148,9 @@ class SpeculativeConfig(ConfigModel):
         raise ValueError(f"kv_slack holder must be 'draft' or 'speculator', got {holder!r}")
 
     def resolved_fanout(self) -> list[int]:
-        """F_0..F_K (K + 1 entries) after applying ``fanout_strategy``."""
-        from ssd_eagle.ssd.fanout import geometric_fanout, uniform_fanout
+        """F_0..F_K (K + 1 entries) after applying ``fanout_strategy``; for trees they sum to ``fanout_budget``
+        under every strategy (the speculator spreads that sum over tree nodes)."""
+        from ssd_eagle.ssd.fanout import geometric_fanout, largest_remainder, uniform_fanout
 
         K = self.num_speculative_tokens
         if self.fanout_strategy == "uniform":
@@ -156,7 +158,11 @@ class SpeculativeConfig(ConfigModel):
         if self.fanout_strategy == "geometric":
             power = 1.0 if self.fanout_power == "auto" else self.fanout_power  # auto starts from r = 1
             return geometric_fanout(self.fanout_budget, K, self.fanout_acceptance, power)
-        return _expand(self.fanout, K + 1)
+        manual = _expand(self.fanout, K + 1)
+        if self.tree_budget:
+            return largest_remainder(manual, self.fanout_budget) if sum(manual) else \
+                uniform_fanout(self.fanout_budget, K)
+        return manual
 
     def resolved_fanout_miss(self) -> list[int] | None:
         return _expand(self.fanout_miss, self.num_speculative_tokens + 1) if self.fanout_miss else None

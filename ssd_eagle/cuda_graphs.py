@@ -98,6 +98,13 @@ class StaticForward:
         self._buffers: dict[tuple[int, int, int, int], dict[str, torch.Tensor]] = {}
         self._graphs: dict[tuple[int, int, int, int], tuple[torch.cuda.CUDAGraph, dict[str, torch.Tensor]]] = {}
 
+    @property
+    def fixed_widths(self) -> bool:
+        """Whether callers should keep a step's width fixed too (the speculator's branches at the fan-out budget):
+        on graphs (each width is a capture) and with captured-style row buckets; eager CPU shape sets run every
+        row count, where padding would be real work."""
+        return self.use_graphs or self.buckets != tuple(range(1, self.buckets[-1] + 1))
+
     def shape_for(self, batch_size: int, width: int, kv_len: int) -> tuple[int, int, int] | None:
         """The (bucket, width, cache length) serving this batch, or None when it is not covered."""
         b = next((x for x in self.buckets if x >= batch_size), None)

@@ -10,7 +10,7 @@ import torch
 
 from ssd_eagle.sampling import sample
 from ssd_eagle.ssd.fanout import expected_acceptance, nonstall_probability
-from ssd_eagle.ssd.speculator import bonus_candidates
+from ssd_eagle.ssd.branch_trees import bonus_candidates
 from ssd_eagle.verify import rejection_verify, saguaro_scale
 
 V = 12

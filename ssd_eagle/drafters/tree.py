@@ -37,7 +37,7 @@ class TreeSettings:
 
 def grow_trees(backend: DraftBackend, slots: list[int], root_logits: torch.Tensor, root_hidden: torch.Tensor | None,
                base_visible: torch.Tensor, region_start: list[int], root_position: list[int],
-               settings: TreeSettings, max_depth: list[int]) -> list[Proposal]:
+               settings: TreeSettings, max_depth: list[int], poll=None) -> list[Proposal]:
     """Grow one dynamic tree per row, one :meth:`~ssd_eagle.drafters.backends.DraftBackend.step` of width
     ``topk`` per level. Positions are the draft's cache positions (:mod:`ssd_eagle.drafters.backends`).
 
@@ -50,6 +50,8 @@ def grow_trees(backend: DraftBackend, slots: list[int], root_logits: torch.Tenso
         region_start: per row, first cache position of the tree's own region (``(depth-1) * topk`` positions).
         root_position: per row, the rotary position of the root; a depth-d node sits at root + d.
         settings: tree shape; ``max_depth`` caps each row's depth (its token budget).
+        poll: optional, called before every draft forward; a true answer stops growing (each tree is then
+            selected from the levels grown so far: shallower, still a valid proposal).
 
     Returns:
         One tree :class:`~ssd_eagle.drafters.base.Proposal` per row (``hidden``: the draft's output at each
@@ -73,7 +75,7 @@ def grow_trees(backend: DraftBackend, slots: list[int], root_logits: torch.Tenso
     region = torch.tensor(region_start)[:, None] + torch.arange(k)[None, :]
     for d in range(1, settings.depth):
         rows = [r for r in range(R) if d < depth_cap[r] and frontier[r]]
-        if not rows:
+        if not rows or (poll is not None and poll()):
             break
         write = region + (d - 1) * k  # [R, k]
         tokens = torch.zeros(R, k, dtype=torch.long)

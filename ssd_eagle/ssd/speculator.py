@@ -18,8 +18,8 @@ chain the accepted tokens are ``s_1..s_k``, so the key is the paper's ``(k, bonu
    from what is complete (a branch enters the cache only once drafted to the end), else by the backup.
 
 Fan-out: chains use F_0..F_K by depth (uniform or geometric, :mod:`ssd_eagle.ssd.fanout`); trees spread the budget
-B over nodes in proportion to ``(P(reach u) P(stop at u))^(1/(1+r))`` under the draft's own probabilities, which
-is the geometric rule written per node (for a chain it reproduces F_k exactly).
+B over nodes by the measured P(the outcome lands at u) x P(bonus rank f there) (:mod:`ssd_eagle.ssd.branch_trees`,
+which also drafts the branch trees).
 
 Every proposal, cached or backup, carries the q it was sampled from (None for greedy rows, trees and n-gram
 proposals, which are deterministic), so the verifier's test keeps the output law the target's at any temperature,
@@ -39,14 +39,16 @@ from ssd_eagle.drafters.base import Proposal, SaguaroSampling
 from ssd_eagle.drafters.chain import draft_chain
 from ssd_eagle.drafters.neural import draft_from_committed
 from ssd_eagle.drafters.ngram import lookup_continuation
-from ssd_eagle.drafters.tree import TreeSettings, grow_trees
+from ssd_eagle.drafters.tree import TreeSettings
 from ssd_eagle.kv_cache import ForwardBatch
 from ssd_eagle.sampling_params import SamplingParams
+from ssd_eagle.ssd.branch_trees import (NodeHitTable, NodeLayout, draft_branch_trees, draft_land_probabilities,
+                                        outcome_branches, ranked_candidates, tree_fanout)
 from ssd_eagle.ssd.budget import BuildBudget, BuildInterrupted, BuildStop
-from ssd_eagle.ssd.fanout import AutoFanout, largest_remainder
+from ssd_eagle.ssd.fanout import AutoFanout
 from ssd_eagle.ssd.lookup import SpecRequest, SpeculatorStats
 
-__all__ = ["Speculator", "SpecRequest", "SpeculatorStats", "bonus_candidates"]
+__all__ = ["Speculator", "SpecRequest", "SpeculatorStats"]
 
 
 @dataclass
@@ -63,6 +65,7 @@ class _Seq:
     built: bool = False  # whether the last build ran to its end
     cache: dict[tuple[tuple[int, ...], int], Proposal] = field(default_factory=dict)
     candidates: dict[tuple[int, ...], list[int]] = field(default_factory=dict)  # per accepted path, best first
+    nodes: tuple[NodeLayout, list[list[int]], list[float]] | None = None  # the proposal's, ranks, draft's P(land)
 
 
 class Speculator:
@@ -108,6 +111,7 @@ class Speculator:
         self.power = 1.0 if self.auto is not None else float(power)
         self.seqs: dict[int, _Seq] = {}
         self.stats = SpeculatorStats()
+        self.node_table = NodeHitTable(max(sum(self.fanout), sum(self.fanout_miss), 1))  # where outcomes land
         self.budget = BuildBudget()  # caps the branches so that a build fits in one verification
         self._stop = BuildStop()  # when the running build stops early (set by build)
         self._to_build: list[tuple[_Seq, bool]] = []
@@ -169,7 +173,7 @@ class Speculator:
             else:
                 misses.append(i)
                 replies[i] = Proposal([], cache_hit=hit, lookup_k=lookup_k)
-            seq.cache, seq.candidates, seq.built = {}, {}, False
+            seq.cache, seq.candidates, seq.built, seq.nodes = {}, {}, False, None
             self._to_build.append((seq, hit is False))
         if misses:
             fast = self.backup == "fast" or (self.backup == "auto" and len(requests) >= self.fast_backup_batch)
@@ -204,6 +208,12 @@ class Speculator:
             chain = proposal.parents is None
             self.auto.record(cands.index(bonus) if cands and bonus in cands else -1, len(cands or ()),
                              len(path) if chain else None, len(proposal.tokens) if chain else None)
+        if seq.nodes is not None and path in seq.nodes[0].path:  # the node the outcome landed on, and the bonus's
+            nodes, ranked, land = seq.nodes                         # rank there whatever was stored
+            u = nodes.path.index(path)
+            self.node_table.observe_proposal(nodes.key, land)
+            self.node_table.observe_outcome(nodes.key[u], ranked[u].index(bonus) if bonus in ranked[u] else -1,
+                                            len(cands or []))
         self.stats.lookups += 1
         hit = (path, bonus) in seq.cache
         self.stats.hits += hit
@@ -283,13 +293,14 @@ class Speculator:
             for seq in seqs:        # the root's (fed again as the next chunk's first token)
                 seq.pending = seq.pending[len(seq.token_ids) - 1 - seq.num_cached:]
                 seq.num_cached = len(seq.token_ids) - 1
+        cap = self.budget.cap()
+        per_row = None if cap is None else max(cap // len(rows), cap > 0)
         branches: list[list[dict]] = []
         for r, (seq, missed) in enumerate(rows):
             branches.append(self._outcomes(seq, node_logits[r], node_kv[r], missed,
-                                           node_hidden[r] if node_hidden is not None else None))
-        cap = self.budget.cap()
-        if cap is not None:  # best first: every node's best candidate, then every node's second, ...
-            branches = [sorted(row, key=lambda br: br["rank"])[: max(cap // len(rows), cap > 0)] for row in branches]
+                                           node_hidden[r] if node_hidden is not None else None, per_row))
+        if per_row is not None:  # best first: every node's best candidate, then every node's second, ...
+            branches = [sorted(row, key=lambda br: br["rank"])[:per_row] for row in branches]
         if any(branches):
             fixed, before, complete = time.perf_counter() - start, self.backend.forwards, False
             n = len(rows) * max(map(len, branches))
@@ -334,55 +345,30 @@ class Speculator:
         return out_logits, out_hidden, out_kv
 
     def _outcomes(self, seq: _Seq, logits: torch.Tensor, kv: list[int], missed: bool,
-                  hidden: torch.Tensor | None) -> list[dict]:
+                  hidden: torch.Tensor | None, limit: int | None = None) -> list[dict]:
         """The branches to pre-draft for one row: for every node u (0 = root) the top-F_u tokens after it,
-        excluding u's children, each with the path to u, its cache positions and the draft's output at u."""
+        excluding u's children, each with the path to u, its cache positions and the draft's output at u. A tree
+        spreads at most ``limit`` (the time budget's branches per row) over its nodes."""
         proposal = seq.proposal
-        parents = proposal.parent_list()
-        T = len(parents)
-        depth, children = [0] * (T + 1), [[] for _ in range(T + 1)]
-        for i, p in enumerate(parents, start=1):
-            depth[i] = depth[p] + 1
-            children[p].append(i)
-        fan = self._node_fanout(proposal, logits, depth, children, missed)
-        branches, paths, anc = [], {0: ()}, {0: [kv[0]]}
-        seq.candidates = {}
-        for u in range(T + 1):
-            if u:
-                p = parents[u - 1]
-                paths[u] = paths[p] + (proposal.tokens[u - 1],)
-                anc[u] = anc[p] + [kv[u]]
-            if fan[u] == 0:
-                continue
-            cands = bonus_candidates(logits[u], {proposal.tokens[c - 1] for c in children[u]}, fan[u])
-            seq.candidates[paths[u]] = cands
-            for rank, t in enumerate(cands):
-                branches.append({"key": (paths[u], t), "token": t, "rank": rank, "depth": depth[u], "visible": anc[u],
-                                 "feature": None if hidden is None else hidden[u]})
-        return branches
-
-    def _node_fanout(self, proposal: Proposal, logits, depth, children, missed: bool) -> list[int]:
+        nodes = NodeLayout.of(proposal)
+        ranked = ranked_candidates(logits, nodes, proposal.tokens, self.node_table.max_rank)
+        land = draft_land_probabilities(logits, nodes, proposal.tokens)
         fan = self.fanout_miss if missed else self.fanout
         if proposal.parents is None:  # a chain: F by depth, the all-accepted outcome gets F_K
             m = len(proposal.tokens)
-            return [fan[d] if d < m else fan[self.K] for d in depth]
-        # a tree: weights (P(reach u) * P(stop at u))^(1 / (1 + r)) under the draft's own probabilities
-        probs = torch.softmax(logits.float(), dim=-1)
-        reach = [1.0] * len(depth)
-        for u in range(1, len(depth)):
-            parent = proposal.parents[u - 1]
-            reach[u] = reach[parent] * float(probs[parent, proposal.tokens[u - 1]])
-        weights = []
-        for u in range(len(depth)):
-            stop = max(1.0 - sum(float(probs[u, proposal.tokens[c - 1]]) for c in children[u]), 1e-6)
-            weights.append((reach[u] * stop) ** (1.0 / (1.0 + self.power)))
-        return largest_remainder(weights, sum(fan))
+            fan = [fan[d] if d < m else fan[self.K] for d in nodes.depth]
+        else:
+            fan = tree_fanout(land, nodes, self.node_table, sum(fan) if limit is None else min(sum(fan), limit),
+                              self.power)
+        seq.nodes = (nodes, ranked, land)
+        branches, seq.candidates = outcome_branches(nodes, ranked, fan, kv, hidden)
+        return branches
 
     def _branch_batch(self, seqs: list[_Seq], branches: list[list[dict]]):
         """Per-branch tensors: tokens [B, F], rotary positions of the branch roots, base visibility, features."""
         b = self.backend
         B, F = len(seqs), max(len(br) for br in branches)
-        if b.static is not None:  # fixed shapes: always the fan-out budget wide (one captured width)
+        if b.static is not None and b.static.fixed_widths:  # always the fan-out budget wide (one captured width)
             F = max(F, sum(self.fanout), sum(self.fanout_miss))
         tokens = torch.zeros(B, F, dtype=torch.long)
         root_pos = torch.zeros(B, F, dtype=torch.long)
@@ -430,40 +416,18 @@ class Speculator:
                 seq.cache[br["key"]] = chains[r * F + i]
 
     def _draft_branch_trees(self, seqs: list[_Seq], branches: list[list[dict]]) -> None:
-        """A dynamic tree for every branch: feed the branch roots (one forward), then grow all trees together."""
-        tokens, positions, base, feats, region, F = self._branch_batch(seqs, branches)
-        B = len(seqs)
-        slots = [s.slot for s in seqs]
-        write = region + torch.arange(F)[None, :]
-        kv_len = max(int(write.max()) + 1, base.shape[-1])
-        visible = torch.zeros(B, F, kv_len, dtype=torch.bool)
-        visible[..., : base.shape[-1]] = base
-        visible.scatter_(2, write[..., None], True)
-        self._stop.check()  # (grow_trees's own forwards are not checked yet)
-        logits, hidden = self.backend.step(slots, tokens, positions, write, visible, feats)
-        # one grow_trees row per branch: its base sees the branch root too; its region follows all roots
-        real = [(r, i) for r in range(B) for i in range(len(branches[r]))]
-        per_tree = (self.tree.depth - 1) * self.tree.topk
-        row_base = torch.stack([visible[r, i] for r, i in real])
-        starts = [int(region[r]) + F + i * per_tree for r, i in real]
-        trees = grow_trees(self.backend, [slots[r] for r, _ in real], torch.stack([logits[r, i] for r, i in real]),
-                           torch.stack([hidden[r, i] for r, i in real]) if hidden is not None else None,
-                           row_base, starts, [int(positions[r, i]) for r, i in real], self.tree,
-                           [self.K] * len(real))
-        for (r, i), tree in zip(real, trees):
-            seqs[r].cache[branches[r][i]["key"]] = tree
+        """Trees grown from every branch root (:func:`~ssd_eagle.ssd.branch_trees.draft_branch_trees`); a build due
+        to stop (``self._stop``) stops growing them, and the levels grown so far are kept: a shallower tree is still a
+        proposal."""
+        tokens, positions, base, feats, _, _ = batch = self._branch_batch(seqs, branches)
+        trees = draft_branch_trees(self.backend, [s.slot for s in seqs], tokens, positions, base, feats, batch[4],
+                                   [len(row) for row in branches], self.tree, self.K, self._stop.due)
+        for seq, row, row_trees in zip(seqs, branches, trees):
+            for br, tree in zip(row, row_trees):
+                seq.cache[br["key"]] = tree
 
 
 def kv_end(seq: _Seq, offset: int) -> int:
     """First cache position past the committed text and the proposal (where branches are written)."""
     return len(seq.token_ids) - 1 - offset + 1 + len(seq.proposal.tokens)
 
-
-def bonus_candidates(scores: torch.Tensor, exclude: set[int], fanout: int) -> list[int]:
-    """The speculation cache's bonus candidates at a node: the ``fanout`` best tokens of the draft's ``scores``
-    [V] (logits or probabilities), best first, skipping ``exclude`` (the node's children: a bonus equal to one would
-    have been an acceptance)."""
-    if fanout <= 0:
-        return []
-    order = scores.topk(min(fanout + len(exclude), scores.shape[-1])).indices.tolist()
-    return [t for t in order if t not in exclude][:fanout]
