@@ -99,10 +99,11 @@ class StaticForward:
         self._graphs: dict[tuple[int, int, int, int], tuple[torch.cuda.CUDAGraph, dict[str, torch.Tensor]]] = {}
 
     @property
-    def fixed_widths(self) -> bool:
-        """Whether callers should keep a step's width fixed too (the speculator's branches at the fan-out budget):
-        on graphs (each width is a capture) and with captured-style row buckets; eager CPU shape sets run every
-        row count, where padding would be real work."""
+    def pads(self) -> bool:
+        """Whether batches get padded: rows into the scratch slot (and, by the speculator, its branches to the
+        fan-out budget, one captured width). True on graphs and with captured-style row buckets; eager CPU shape
+        sets run every row count and width as it comes, so the scratch slot is never written and the cache may be
+        resized (:meth:`~ssd_eagle.kv_cache.KVCache.fit`)."""
         return self.use_graphs or self.buckets != tuple(range(1, self.buckets[-1] + 1))
 
     def shape_for(self, batch_size: int, width: int, kv_len: int) -> tuple[int, int, int] | None:

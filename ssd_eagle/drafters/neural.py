@@ -109,7 +109,7 @@ class NeuralDrafter(Drafter):
         self.states.pop(seq.request_id, None)
 
     def fit_kv(self, num_rows: int, capacity: int) -> None:
-        if self.backend.static is None:  # (fixed shapes write padding rows into the last slot)
+        if self.backend.static is None or not self.backend.static.pads:  # padding rows write the last slot
             self.backend.kv.fit(num_rows, capacity)
 
     @torch.inference_mode()

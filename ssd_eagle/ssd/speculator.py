@@ -149,7 +149,7 @@ class Speculator:
     def _fit_kv(self) -> None:
         """The draft's store follows the live sequences (KVCache.fit): the longest one plus a round's branches."""
         kv = self.backend.kv
-        if self.backend.static is not None:  # (fixed shapes write padding rows into the last slot)
+        if self.backend.static is not None and self.backend.static.pads:  # padding rows write the last slot
             return
         width = max(sum(self.fanout), sum(self.fanout_miss)) + 1
         branches = width * (self.K + 1 + (self.tree.depth * self.tree.topk if self.tree is not None else 0))
@@ -368,7 +368,7 @@ class Speculator:
         """Per-branch tensors: tokens [B, F], rotary positions of the branch roots, base visibility, features."""
         b = self.backend
         B, F = len(seqs), max(len(br) for br in branches)
-        if b.static is not None and b.static.fixed_widths:  # always the fan-out budget wide (one captured width)
+        if b.static is not None and b.static.pads:  # always the fan-out budget wide (one captured width)
             F = max(F, sum(self.fanout), sum(self.fanout_miss))
         tokens = torch.zeros(B, F, dtype=torch.long)
         root_pos = torch.zeros(B, F, dtype=torch.long)
