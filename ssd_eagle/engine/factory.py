@@ -219,8 +219,9 @@ def build(config, target=None, placement=None, *, tokenizer=None, draft: nn.Modu
                        max_num_batched_tokens=config.max_num_batched_tokens,
                        enable_prefix_caching=config.enable_prefix_caching,
                        prefix_cache_memory=config.prefix_cache_memory, kv_cache_memory=config.kv_cache_memory)
-    if spec is not None:
-        from ssd_eagle.planner import planner_for
+    engine = placement.attach(engine)
+    if spec is not None:  # after attach: a tensor-parallel target is its driver by then (not planned: its probe
+        from ssd_eagle.planner import planner_for  # forwards must reach every rank)
 
         engine.planner = planner_for(engine, spec)
-    return placement.attach(engine)
+    return engine
