@@ -65,6 +65,11 @@ class SpeculatorSupervisor:
             else:
                 delay = min(2 * delay, self.max_backoff)
 
+    def _adopt(self, speculator) -> None:  # (between two engine steps)
+        self.drafter.adopt(speculator)
+        if getattr(self.async_engine.engine, "planner", None) is not None:
+            self.async_engine.engine.planner.new_drafter()
+
     async def _restart(self) -> bool:
         try:
             speculator = await asyncio.to_thread(self.drafter.respawn)
@@ -74,7 +79,7 @@ class SpeculatorSupervisor:
             if self.metrics is not None:
                 self.metrics.speculator_restart_failures.inc()
             return False
-        await self.async_engine.call(self.drafter.adopt, speculator)
+        await self.async_engine.call(self._adopt, speculator)
         if self.metrics is not None:
             self.metrics.speculator_restarts.inc()
             self.metrics.drafter_healthy.set(1)

@@ -292,6 +292,14 @@ class Planner:
                 out[r] = (k, False)
         return out
 
+    def new_drafter(self) -> None:
+        """A restarted drafter (a respawned SSD speculator): forget the drafting cost learnt from the old one, whose
+        last rounds waited on a dead or hung process, and probe every request again soon (acceptance is kept: the
+        draft model is the same)."""
+        self.draft_cost = OnlineLine()
+        self.probe_interval.clear()
+        self.idle_rounds.clear()
+
     def probe_spacing(self, batch: int) -> int:
         """Fewest rounds between a request's probes for them to cost at most ``probe_overhead`` of the time of
         plain decoding (from the cost table and the learnt drafting cost)."""

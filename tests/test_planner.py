@@ -6,6 +6,7 @@ import pytest
 
 from helpers import make_tiny_llama, random_prompts, reference_greedy
 from ssd_eagle.drafters import NgramDrafter
+from ssd_eagle.drafters.base import Drafter, Proposal
 from ssd_eagle.engine.llm import LLM
 from ssd_eagle.engine.llm_engine import LLMEngine
 from ssd_eagle.sampling_params import SamplingParams
@@ -143,7 +144,7 @@ def test_measure_verify_costs_on_a_tiny_model_is_cached(tmp_path, monkeypatch):
     assert measure_verify_costs(runner, max_new=3, max_batch=2, context=16) == table  # read back, not re-timed
 
 
-class WrongDrafter:
+class WrongDrafter(Drafter):
     """Cheap proposals the target never emits next (its greedy tokens plus one), until ``good`` is set: then the
     target's own greedy continuation (an oracle, precomputed per request)."""
 
@@ -157,8 +158,6 @@ class WrongDrafter:
         self.greedy[seq.request_id] = (len(prompt), reference_greedy(self.target, prompt, 80))
 
     def propose(self, seqs, num_tokens):
-        from ssd_eagle.drafters.base import Proposal
-
         out = []
         for seq, n in zip(seqs, num_tokens):
             start, greedy = self.greedy[seq.request_id]
@@ -260,8 +259,6 @@ class Saboteur:
         return getattr(self.inner, name)
 
     def propose(self, seqs, num_tokens):
-        from ssd_eagle.drafters.base import Proposal
-
         out = self.inner.propose(seqs, num_tokens)
         return [Proposal([0] * len(p.tokens), None, p.cache_hit, p.lookup_k) for p in out] if self.bad else out
 
