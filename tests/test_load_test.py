@@ -53,7 +53,8 @@ def test_the_speculator_is_a_spawn_child_of_the_server():
         deadline = time.monotonic() + 20
         while child.pid not in load_test.speculator_pids(os.getpid()) and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert load_test.speculator_pids(os.getpid()) == [child.pid]
+        # (in the full suite, earlier tests' speculator processes may still be children of this process too)
+        assert child.pid in load_test.speculator_pids(os.getpid())
         memory = load_test.memory(os.getpid())
         assert memory["speculator"] > 0  # the sum, up to rounding each of the three to 0.1 MiB:
         assert abs(memory["total"] - memory["server"] - memory["speculator"]) < 0.15
