@@ -89,6 +89,10 @@ class StaticForward:
         self.buckets, self.widths = tuple(sorted(buckets)), None if widths is None else tuple(sorted(widths))
         self.extra_shapes = extra_shapes or {}
         self.use_graphs = enabled and self.device.type == "cuda"
+        # whether batches get padded: rows into the scratch slot (and, by the speculator, its branches to the fan-out
+        # budget, one captured width). Eager CPU shape sets run every row count and width as it comes, so there the
+        # scratch slot is never written and the cache may be resized (KVCache.fit)
+        self.pads = self.use_graphs or self.buckets != tuple(range(1, self.buckets[-1] + 1))
         self.copy_outputs = copy_outputs and self.use_graphs
         if self.use_graphs:
             kv.reserve(kv.max_len)  # a graph bakes in the cache's addresses
@@ -97,14 +101,6 @@ class StaticForward:
             raise ValueError(f"kv_lengths must end at the cache's max_len {kv.max_len}, got {self.kv_lengths}")
         self._buffers: dict[tuple[int, int, int, int], dict[str, torch.Tensor]] = {}
         self._graphs: dict[tuple[int, int, int, int], tuple[torch.cuda.CUDAGraph, dict[str, torch.Tensor]]] = {}
-
-    @property
-    def pads(self) -> bool:
-        """Whether batches get padded: rows into the scratch slot (and, by the speculator, its branches to the
-        fan-out budget, one captured width). True on graphs and with captured-style row buckets; eager CPU shape
-        sets run every row count and width as it comes, so the scratch slot is never written and the cache may be
-        resized (:meth:`~ssd_eagle.kv_cache.KVCache.fit`)."""
-        return self.use_graphs or self.buckets != tuple(range(1, self.buckets[-1] + 1))
 
     def shape_for(self, batch_size: int, width: int, kv_len: int) -> tuple[int, int, int] | None:
         """The (bucket, width, cache length) serving this batch, or None when it is not covered."""
