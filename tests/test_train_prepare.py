@@ -78,7 +78,8 @@ def test_features_are_keyed_by_dtype_and_length(tiny_setup, target, tmp_path):
     write_features(f32, missing_conversations(f32, feature_key(f32, text_config))[1], model, tok,
                    feature_key(f32, text_config), run="a")
     for changed in (_offline(tiny_setup, tmp_path, feature_dtype="bfloat16"),
-                    _offline(tiny_setup, tmp_path, max_length=64)):
+                    _offline(tiny_setup, tmp_path, max_length=64),
+                    _offline(tiny_setup, tmp_path, target_dtype="bfloat16")):
         key = feature_key(changed, text_config)
         assert len(missing_conversations(changed, key)[1]) == 12  # nothing of another key is reused
     bf16 = _offline(tiny_setup, tmp_path, feature_dtype="bfloat16")
@@ -152,3 +153,32 @@ def test_tracker_scalars_and_learning_curve_png(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match="wandb is not installed"):
         resolve_trackers(["wandb"])
     assert resolve_trackers(["auto"]) == ["tensorboard"]  # installed here; wandb only when installed and configured
+
+
+def test_features_record_the_target_dtype_and_old_indexes_read_as_float32(tiny_setup, target, tmp_path):
+    """Features of a bf16 target are their own run (the server's dtype, issue 14); an index written before the
+    target's dtype was recorded matches a float32 key."""
+    import json
+
+    from train.features import FeatureStore
+    from train.precompute_features import feature_key, missing_conversations, write_features
+
+    model, tok = target
+    text_config = model.config.get_text_config()
+    f32 = _offline(tiny_setup, tmp_path)
+    key = feature_key(f32, text_config)
+    assert key["target_dtype"] == "float32"
+    index = write_features(f32, missing_conversations(f32, key)[1], model, tok, key, run="a")["index"]
+    doc = json.loads(open(index).read())
+    assert doc["meta"]["target_dtype"] == "float32"
+    del doc["meta"]["target_dtype"]  # as written by an older version
+    open(index, "w").write(json.dumps(doc))
+    assert len(FeatureStore(f32.features_dir, matching=key)) == 12
+    bf16_target = _offline(tiny_setup, tmp_path, target_dtype="bfloat16")
+    bkey = feature_key(bf16_target, text_config)
+    from ssd_eagle.assets import load_model
+    bf16_model, _ = load_model(tiny_setup["target"], dtype=torch.bfloat16)
+    write_features(bf16_target, missing_conversations(bf16_target, bkey)[1], bf16_model, tok, bkey, run="b")
+    store = FeatureStore(bf16_target.features_dir, matching=bkey)
+    assert len(store) == 12 and store.meta["target_dtype"] == "bfloat16"
+    assert missing_conversations(bf16_target, bkey)[1] == []

@@ -61,6 +61,11 @@ class TrainConfig(ConfigModel):
             ``features_dir``, by ``train/precompute_features.py`` or, for what is missing, the trainer itself).
         features_dir: offline feature shards.
         feature_dtype: storage dtype of offline features.
+        target_dtype: compute dtype of the target when it produces the features (online or offline), so the draft
+            learns the hidden states the server will feed it: ``"auto"`` resolves like ``inference``'s
+            ``--dtype auto`` (bfloat16 on CUDA and on CPUs with native bf16, else float32;
+            :func:`ssd_eagle.platform.resolve_dtype`), decided when the config is read. The target's embeddings and
+            ``lm_head`` (the soft labels, the draft LM's initial layers) stay float32 either way.
 
     EAGLE-3:
         draft_vocab_size: rows of the head's ``lm_head`` (the most frequent loss-masked target tokens).
@@ -123,6 +128,7 @@ class TrainConfig(ConfigModel):
     mode: Literal["online", "offline"] = "online"
     features_dir: str | None = None
     feature_dtype: Dtype = "bfloat16"
+    target_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "float32"
 
     draft_vocab_size: Positive = 32000
     aux_layer_ids: Annotated[list[int], Field(min_length=3, max_length=3)] | None = None
@@ -173,6 +179,12 @@ class TrainConfig(ConfigModel):
             from ssd_eagle.platform import resolve_dtype
             device = "cuda" if torch.cuda.is_available() else "cpu"
             self.dtype = "bfloat16" if resolve_dtype("auto", device) == torch.bfloat16 else "float32"
+        if self.target_dtype == "auto":
+            import torch
+
+            from ssd_eagle.platform import resolve_dtype
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+            self.target_dtype = str(resolve_dtype("auto", device)).removeprefix("torch.")
         if self.mode == "offline" and not self.features_dir:
             raise ValueError("mode 'offline' needs features_dir (written by train/precompute_features.py)")
         if self.autocast is not None and self.dtype != "float32":

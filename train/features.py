@@ -37,7 +37,7 @@ from ssd_eagle.model_runner import ModelRunner
 
 FEATURES_FORMAT = "ssd_eagle.features/v1"
 # index metadata that must agree between the runs of one directory
-SHARED_META = ("target", "aux_layer_ids", "dtype", "hidden_size", "max_length")
+SHARED_META = ("target", "target_dtype", "aux_layer_ids", "dtype", "hidden_size", "max_length")
 
 
 def conversation_key(messages: list[dict]) -> str:
@@ -246,6 +246,8 @@ class FeatureStore:
         self.path = Path(path)
         indexes = sorted(self.path.glob("index-*.json"))
         docs = [(idx, json.loads(idx.read_text())) for idx in indexes]
+        for _, doc in docs:  # indexes written before the target's dtype was recorded came from a float32 target
+            doc.setdefault("meta", {}).setdefault("target_dtype", "float32")
         if matching is not None:
             docs = [(idx, doc) for idx, doc in docs
                     if all(doc.get("meta", {}).get(k) == v for k, v in matching.items())]

@@ -67,11 +67,12 @@ def masked_samples(conversations: list[dict], tokenizer, max_length: int, check_
 
 def feature_key(cfg: TrainConfig, text_config) -> dict:
     """The :data:`~train.features.SHARED_META` values of the features ``cfg`` trains on (``text_config``: the
-    target's text config). Runs of a features directory with other values (another target, aux ids, storage dtype,
-    hidden size or ``max_length``) are ignored, not mixed in, so changing any of them builds new features."""
+    target's text config). Runs of a features directory with other values (another target or target dtype, aux ids,
+    storage dtype, hidden size or ``max_length``) are ignored, not mixed in, so changing any of them builds new
+    features."""
     aux = cfg.aux_layer_ids or default_aux_layer_ids(text_config.num_hidden_layers)
-    return {"target": cfg.target, "aux_layer_ids": list(aux), "dtype": cfg.feature_dtype,
-            "hidden_size": int(text_config.hidden_size), "max_length": cfg.max_length}
+    return {"target": cfg.target, "target_dtype": cfg.target_dtype, "aux_layer_ids": list(aux),
+            "dtype": cfg.feature_dtype, "hidden_size": int(text_config.hidden_size), "max_length": cfg.max_length}
 
 
 def missing_conversations(cfg: TrainConfig, key: dict) -> tuple[int, list[dict]]:
@@ -113,7 +114,7 @@ def write_features(cfg: TrainConfig, todo: list[dict], target, tokenizer, key: d
     extractor = TargetFeatureExtractor(target, key["aux_layer_ids"], max_batch=cfg.micro_batch_size,
                                        max_len=cfg.max_length)
     t0 = time.perf_counter()
-    meta = {"target": cfg.target, "data": cfg.data, "data_limit": cfg.data_limit, "max_length": cfg.max_length,
+    meta = {"target": cfg.target, "target_dtype": cfg.target_dtype, "data": cfg.data, "data_limit": cfg.data_limit, "max_length": cfg.max_length,
             "world_size": world_size, "mask_stats": stats, "dropped": dropped}
     run = run or time.strftime("%Y%m%d-%H%M%S")
     index = write_feature_shards(samples, extractor, cfg.features_dir, run=run, rank=rank,
@@ -137,7 +138,7 @@ def precompute(cfg: TrainConfig, rank: int = 0, world_size: int = 1, run: str | 
     if cfg.num_threads:
         torch.set_num_threads(cfg.num_threads)
     device = f"cuda:{os.environ.get('LOCAL_RANK', 0)}" if torch.cuda.is_available() else "cpu"
-    target, tokenizer = load_model(cfg.target, dtype=torch.float32, device=device)
+    target, tokenizer = load_model(cfg.target, dtype=getattr(torch, cfg.target_dtype), device=device)
     key = feature_key(cfg, target.config.get_text_config())
     total, todo = missing_conversations(cfg, key)
     result = write_features(cfg, todo, target, tokenizer, key, rank, world_size, run)

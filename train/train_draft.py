@@ -154,6 +154,10 @@ class Trainer:
         self.target.requires_grad_(False)
         self.target_embed = self.target.get_input_embeddings()
         self.lm_head_weight = self.target.get_output_embeddings().weight.detach()
+        # the features come from the target in the serving dtype (cfg.target_dtype); the float32 copy above keeps the
+        # embeddings, the soft labels' lm_head and the draft LM's initial layers exact
+        self.feature_target = self.target if cfg.target_dtype == "float32" else load_model(
+            cfg.target, dtype=getattr(torch, cfg.target_dtype), device=self.device)[0].requires_grad_(False)
         num_layers = self.target.config.get_text_config().num_hidden_layers
 
         self.resume_dir = ckpt.latest_checkpoint(self.ckpt_root) if cfg.resume else None
@@ -171,10 +175,10 @@ class Trainer:
                 if saved != self.aux_layer_ids:
                     raise ValueError(f"checkpoint aux_layer_ids {saved} != config {self.aux_layer_ids}")
 
-        ensure_features(cfg, self.target, self.tokenizer, self.rank, self.world)
+        ensure_features(cfg, self.feature_target, self.tokenizer, self.rank, self.world)
         ensure_heldout(cfg, self.rank)
-        self.data = load_feature_source(cfg, self.target, self.tokenizer, self.aux_layer_ids, self.rank, self.world,
-                                        self.device)
+        self.data = load_feature_source(cfg, self.feature_target, self.tokenizer, self.aux_layer_ids, self.rank,
+                                        self.world, self.device)
         self.module = self._build_draft()
         self._plan()
 
