@@ -6,6 +6,12 @@ held-out MT-Bench questions (first turn) and held-out HumanEval problems, render
     python scripts/eval_draft.py --draft eagle3=drafts/smollm2-135m-eagle3 --draft draft_model=drafts/smollm2-135m-draftlm
     python scripts/eval_draft.py --curve runs/smollm2-135m-eagle3 --no-eval   # only the learning-curve PNG
 
+The full table of issue 14 (tau at K = 3, 5, 7 with the acceptance per position, the SSD bonus-candidate hit rate
+at F = 1..8, teacher-forced tau and step accuracy on the target's greedy answers):
+
+    python scripts/eval_draft.py --draft eagle3=drafts/smollm2-135m-eagle3 --k 3,5,7 --max-tokens 64 --hit-curve \
+        --teacher-forced runs/heldout/mtbench-80.jsonl
+
 ``--curve RUN_DIR`` writes ``RUN_DIR/learning_curve.png`` from the training run's ``metrics.jsonl`` (loss, top-1
 accuracy per TTT step and held-out tau against steps; :func:`train.tracking.plot_learning_curve`).
 
@@ -48,8 +54,21 @@ def evaluate(model, tokenizer, spec: SpeculativeConfig, prompts: list[list[int]]
     start = time.perf_counter()
     LLM(engine=engine).generate(prompts, SamplingParams(temperature=0.0, max_tokens=max_tokens), use_tqdm=True)
     s = engine.stats
+    k = spec.num_speculative_tokens
     return {"tau": round(s.tau, 3), "acceptance_rate": round(s.acceptance_rate, 3), "rounds": s.num_rounds,
-            "tokens": s.num_emitted, "seconds": round(time.perf_counter() - start, 1)}
+            "tokens": s.num_emitted, "seconds": round(time.perf_counter() - start, 1),
+            "accepted_per_position": [round(sum(a >= i for a in s.accepted_lengths) / max(s.num_rounds, 1), 3)
+                                      for i in range(1, k + 1)]}
+
+
+def hit_curve(rows: list[dict]) -> list[float]:
+    """SSD bonus-candidate hit rate at F = 1..8 from a chain's node table: the share of rounds whose bonus token is
+    among the draft's top-F candidates at the node where verification ended (what a fan-out of F per node could
+    hit, whatever was stored)."""
+    landed = sum(r["landed"] for r in rows)
+    width = max(len(r["bonus_rank_hist"]) - 1 for r in rows)
+    within = [sum(sum(r["bonus_rank_hist"][:f]) for r in rows) for f in range(1, width + 1)]
+    return [round(w / max(landed, 1), 3) for w in within]
 
 
 def node_table(model, tokenizer, spec: SpeculativeConfig, prompts: list[list[int]], max_tokens: int) -> dict:
@@ -79,7 +98,12 @@ def main() -> None:
     ap.add_argument("--dtype", default="auto", choices=DTYPES, help=DTYPE_HELP)
     ap.add_argument("--draft", action="append", default=[], metavar="METHOD=PATH",
                     help="a draft to evaluate: eagle3=PATH or draft_model=PATH (repeatable)")
-    ap.add_argument("--k", type=int, default=5)
+    ap.add_argument("--k", default="5", help="draft tokens per round, or a comma list (3,5,7)")
+    ap.add_argument("--hit-curve", action="store_true",
+                    help="also the SSD bonus-candidate hit rate at F = 1..8 (a chain served by SSD, first K)")
+    ap.add_argument("--teacher-forced", default=None, metavar="HELDOUT_JSONL",
+                    help="also teacher-forced tau and step accuracy on this held-out file (python -m train.heldout "
+                         "generate)")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--limit", type=int, default=None, help="prompts per split (default: all held-out)")
     ap.add_argument("--batch", type=int, default=8)
@@ -102,10 +126,11 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     dtype = resolve_dtype(args.dtype, "cpu")
     model, tokenizer = load_model(args.model, dtype=dtype)
-    specs = {"ngram": SpeculativeConfig(method="ngram", num_speculative_tokens=args.k)}
+    ks = [int(k) for k in str(args.k).split(",")]
+    specs = {"ngram": SpeculativeConfig(method="ngram", num_speculative_tokens=ks[0])}
     for item in args.draft:
         method, path = item.split("=", 1)
-        specs[f"{method}:{path}"] = SpeculativeConfig(method=method, model=path, num_speculative_tokens=args.k)
+        specs[f"{method}:{path}"] = SpeculativeConfig(method=method, model=path, num_speculative_tokens=ks[0])
     splits = {split: [render_chat(tokenizer, p["messages"]) for p in heldout_prompts(split)[: args.limit]]
               for split in ("mtbench", "humaneval")}
     if args.node_table:
@@ -119,19 +144,35 @@ def main() -> None:
                 print_node_table(f"{name} {kind} B={args.fanout_budget}", result)
         print(f"\n{describe_line('cpu', dtype)}\nK={args.k} T=0 max_tokens={args.max_tokens} prompts={len(every)}")
         return
-    table = {}
+    table, extra = {}, {}
     for name, spec in specs.items():
         for split, prompts in splits.items():
-            table[(name, split)] = evaluate(model, tokenizer, spec, prompts, args.max_tokens, args.batch)
-            print(name, split, table[(name, split)], flush=True)
+            for k in ks:
+                kspec = SpeculativeConfig(**{**spec.to_dict(), "num_speculative_tokens": k})
+                table[(name, split, k)] = evaluate(model, tokenizer, kspec, prompts, args.max_tokens, args.batch)
+                print(name, split, k, table[(name, split, k)], flush=True)
+            if args.hit_curve and spec.method != "ngram":
+                ssd = SpeculativeConfig(**{**spec.to_dict(), "speculator": "local", "fanout_strategy": "geometric",
+                                           "fanout_budget": args.fanout_budget})
+                curve = hit_curve(node_table(model, tokenizer, ssd, prompts, args.max_tokens)["rows"])
+                extra[f"{name}|{split}|hit_at_F"] = curve
+                print(name, split, "SSD hit rate at F = 1..", curve, flush=True)
+        if args.teacher_forced and spec.method != "ngram":
+            from train.heldout import estimate_tau
+            tf = estimate_tau(spec.model, args.teacher_forced, target=args.model, num_draft=max(ks), progress=False)
+            extra[f"{name}|teacher_forced"] = {k: tf[k] for k in ("tau", "step_accuracy", "samples")}
+            print(name, "teacher-forced", extra[f"{name}|teacher_forced"], flush=True)
     print(f"\n{describe_line('cpu', dtype)}\nK={args.k} T=0 max_tokens={args.max_tokens} prompts: "
           + ", ".join(f"{s}={len(p)}" for s, p in splits.items()))
-    print(f"{'draft':50s} {'split':10s} {'tau':>6s} {'accept':>7s}")
-    for (name, split), row in table.items():
-        print(f"{name:50s} {split:10s} {row['tau']:6.3f} {row['acceptance_rate']:7.3f}")
+    print(f"{'draft':50s} {'split':10s} {'K':>2s} {'tau':>6s} {'accept':>7s}  acceptance per position")
+    for (name, split, k), row in table.items():
+        print(f"{name:50s} {split:10s} {k:2d} {row['tau']:6.3f} {row['acceptance_rate']:7.3f}  "
+              f"{row['accepted_per_position']}")
+    for key, value in extra.items():
+        print(f"{key}: {value}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({f"{n}|{s}": r for (n, s), r in table.items()}, f, indent=2)
+            json.dump({**{f"{n}|{s}|K={k}": r for (n, s, k), r in table.items()}, **extra}, f, indent=2)
 
 
 if __name__ == "__main__":

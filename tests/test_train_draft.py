@@ -218,6 +218,21 @@ def test_simulate_acceptance_walk():
     assert (none.rounds, none.emitted, none.tau) == (9, 9, 1.0)
 
 
+def test_step_accuracy_counts_score_only_response_predictions():
+    from train.heldout import step_accuracy_counts
+
+    n = 14
+    mask = torch.zeros(1, n, dtype=torch.long)
+    mask[0, 3:13] = 1  # prompt 0..2, assistant span 3..12
+    hits = torch.zeros(1, n, 2, dtype=torch.bool)
+    hits[0, 2] = torch.tensor([True, True])
+    hits[0, 5] = torch.tensor([True, False])
+    hits[0, 11] = torch.tensor([True, True])  # predicts x_13, past the span: not scored
+    correct, scored = step_accuracy_counts(hits, mask)
+    assert correct.tolist() == [2, 1]
+    assert scored.tolist() == [9, 8]  # rows 2..10 for step 0, 2..9 for step 1
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # config
 

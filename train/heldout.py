@@ -208,7 +208,8 @@ def estimate_tau(draft_dir: str | os.PathLike, heldout: str | os.PathLike, *, ta
     """Teacher-forced greedy acceptance of an exported draft on held-out conversations (module docstring).
 
     Returns:
-        ``{"tau", "rounds", "emitted", "accepted_hist", "num_draft", "samples", "kind"}``.
+        ``{"tau", "rounds", "emitted", "accepted_hist", "step_accuracy", "num_draft", "samples", "kind"}``
+        (``step_accuracy``: :func:`step_accuracy_counts` over all conversations, one float per draft step).
 
     Raises:
         ValueError: ``draft_dir`` is neither an EAGLE-3 export nor a draft LM.
@@ -245,6 +246,7 @@ def estimate_tau(draft_dir: str | os.PathLike, heldout: str | os.PathLike, *, ta
     extractor = TargetFeatureExtractor(target_model, aux_ids, 1, max_length)
     stats = AcceptanceStats(accepted_hist=[0] * (num_draft + 1))
     lm_w = target_model.get_output_embeddings().weight
+    correct = counted = torch.zeros(num_draft, dtype=torch.long)
     for row in tqdm(dataset, desc="teacher-forced tau", disable=not progress):
         batch = extractor([{"input_ids": row["input_ids"], "loss_mask": row["loss_mask"]}])
         if is_eagle:
@@ -255,8 +257,30 @@ def estimate_tau(draft_dir: str | os.PathLike, heldout: str | os.PathLike, *, ta
             argmax = draft(batch.input_ids).logits.argmax(-1)
             hits = draft_lm_hits(argmax, batch.input_ids, num_draft)
         stats.merge(simulate_acceptance(hits[0], batch.loss_mask[0], num_draft))
+        scored = step_accuracy_counts(hits, batch.loss_mask)
+        correct, counted = correct + scored[0], counted + scored[1]
     return {"tau": stats.tau, "rounds": stats.rounds, "emitted": stats.emitted, "accepted_hist": stats.accepted_hist,
+            "step_accuracy": [round(c / max(n, 1), 4) for c, n in zip(correct.tolist(), counted.tolist())],
             "num_draft": num_draft, "samples": len(dataset), "kind": "eagle3" if is_eagle else "draft_lm"}
+
+
+def step_accuracy_counts(hits: torch.Tensor, loss_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Teacher-forced top-1 accuracy per draft step, as counts: ``(correct[i], scored[i])`` over the rows whose
+    step-``i`` prediction is a response token (``loss_mask`` 1 at ``t + 1`` and ``t + 2 + i``), the training log's
+    "top-1 accuracy per step" measured on held-out text.
+
+    Args:
+        hits: bool [B, n, K] (:func:`train.ttt.eagle3_hits` / :func:`train.ttt.draft_lm_hits`); loss_mask: [B, n].
+
+    Returns:
+        two int64 [K] tensors.
+    """
+    from train.ttt import shift_left
+
+    mask = loss_mask.bool()
+    rows = shift_left(mask, 1, False)
+    valid = torch.stack([rows & shift_left(mask, 2 + i, False) for i in range(hits.shape[-1])], dim=-1)
+    return (hits & valid).sum((0, 1)), valid.sum((0, 1))
 
 
 def main(argv: list[str] | None = None) -> None:
