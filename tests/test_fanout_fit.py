@@ -118,3 +118,9 @@ def test_ssd_with_auto_fanout_stays_lossless_and_reports_r(byte_tokenizer):
     stats, _ = engine.drafter.speculator.stats()
     assert stats.lookups >= 50 and stats.fanout_power is not None and 0.05 <= stats.fanout_power <= 5.0
     assert sum(engine.drafter.speculator.speculator.fanout) == 10
+    # per request: the r fitted when its lookups ran (the last request's is the speculator's), and the branches
+    # the cache held per lookup (at most the budget B = 10: a branch enters the cache once drafted to its end)
+    summaries = [out.stats.summary() for out in outs]
+    assert summaries[-1]["fanout_power"] == pytest.approx(stats.fanout_power, abs=1e-4)
+    assert all(0 < s["fanout_per_lookup"] <= 10 for s in summaries)
+    assert summaries[0]["fanout_power"] is None  # its lookups all ran before the 50th
