@@ -96,8 +96,8 @@ class SpeculativeConfig(ConfigModel):
                                                 "(one every 0.5 s) after which the speculator process is hung: "
                                                 "killed, then restarted by the server")
     tree_budget: Annotated[int, Field(ge=0)] | Literal["auto"] = Field(
-        0, description="propose EAGLE-2 dynamic trees of this many nodes (0: chains of K tokens), or auto: the tree "
-        "measured to pay in SSD with the committed heads (ssd_eagle.ssd.branch_trees.AUTO_TREE: 6 nodes, "
+        0, description="propose EAGLE-2 dynamic trees of this many nodes (0: chains of K tokens), or auto: the largest tree "
+        "measured to keep up with chains in SSD with the committed heads (ssd_eagle.ssd.branch_trees.AUTO_TREE: 6 nodes, "
         "tree_topk 2; chains for ngram)")
     tree_depth: int = Field(5, ge=1, description="dynamic tree levels (capped by K)")
     tree_topk: int = Field(4, ge=1, description="dynamic tree expansions per level")

@@ -154,8 +154,8 @@ def test_a_tree_spreads_only_the_time_budgets_branches(byte_tokenizer):
 
 
 def test_tree_budget_auto_is_the_measured_shape():
-    """``tree_budget: "auto"`` proposes :data:`AUTO_TREE` (6 nodes, top-2: it paid in SSD where 16 nodes, top-4 did
-    not; branch_trees' docstring), whatever ``tree_topk`` says (a config dumped and re-read lists every field), and
+    """``tree_budget: "auto"`` proposes :data:`AUTO_TREE` (6 nodes, top-2: it tied the chain in SSD where 16 nodes,
+    top-4 lost; branch_trees' docstring), whatever ``tree_topk`` says (a config dumped and re-read lists every field), and
     means chains for the n-gram drafter."""
     auto = SpeculativeConfig.from_dict({"method": "eagle3", "model": "d", "tree_budget": "auto"})
     assert (auto.tree_budget, auto.tree_topk) == (AUTO_TREE.budget, AUTO_TREE.topk) == (6, 2)

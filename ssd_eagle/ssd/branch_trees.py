@@ -26,9 +26,11 @@ accepting it. So the tree's hits come from few, thinly covered nodes:
     16, top-4               0.127       1.726
     6, top-2                0.244       1.575
 
-With the time cap (``scripts/bench_ssd.py``: verifier and speculator on a core each) a 16-node tree also pays a
-wider verification and a build ~2x a chain's (hit 0.11-0.13); a 6-node top-2 tree verifies at about the chain's
-cost (bf16: 7 tokens cost what 6 do) and keeps most of its hits (0.13-0.21; tau 1.575 against 1.50).
+With the time cap (``scripts/bench_ssd.py --configs ar,ssd_eagle3,ssd_eagle3_tree,ssd_eagle3_tree_auto
+--temperatures 0 --prompts 1 --max-tokens 64``: verifier and speculator on a core each, the machine loaded) the
+16-node tree also verifies 17 tokens and builds ~2x a chain's branch-steps: hit 0.07, 0.84x the chain's tok/s. The
+6-node top-2 tree verifies at about the chain's cost (bf16: 7 tokens cost what 6 do) and hit 0.14 (tau 1.575
+against 1.50): 0.88x, 1.07x and 1.17x the chain's tok/s in three such runs, a tie within the load's noise.
 :data:`AUTO_TREE` (``tree_budget: "auto"``) is that shape.
 """
 
@@ -45,8 +47,8 @@ from ssd_eagle.drafters.tree import TreeSettings, grow_trees
 
 
 AUTO_TREE = TreeSettings(budget=6, depth=5, topk=2)
-"""The tree ``tree_budget: "auto"`` proposes (depth capped by K): the shape that paid in SSD with the committed
-heads (module docstring); larger trees spread the fan-out budget over more nodes than it can cover."""
+"""The tree ``tree_budget: "auto"`` proposes (depth capped by K): with the committed heads it tied the chain in SSD
+at the same budget B, where larger trees lost (module docstring): they spread B over more nodes than it covers."""
 
 
 @dataclass
