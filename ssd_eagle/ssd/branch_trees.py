@@ -28,9 +28,9 @@ accepting it. So the tree's hits come from few, thinly covered nodes:
 
 With the time cap (``scripts/bench_ssd.py --configs ar,ssd_eagle3,ssd_eagle3_tree,ssd_eagle3_tree_auto
 --temperatures 0 --prompts 1 --max-tokens 64``: verifier and speculator on a core each, the machine loaded) the
-16-node tree also verifies 17 tokens and builds ~2x a chain's branch-steps: hit 0.07, 0.84x the chain's tok/s. The
-6-node top-2 tree verifies at about the chain's cost (bf16: 7 tokens cost what 6 do) and hit 0.14 (tau 1.575
-against 1.50): 0.88x, 1.07x and 1.17x the chain's tok/s in three such runs, a tie within the load's noise.
+16-node tree also verifies 17 tokens and builds ~2x a chain's branch-steps: hit 0.07-0.08, 0.81-0.84x the chain's tok/s. The
+6-node top-2 tree verifies at about the chain's cost (bf16: 7 tokens cost what 6 do) and hit 0.13-0.21 (tau 1.575
+against 1.50): 0.88x, 1.07x, 1.17x and 1.08x the chain's tok/s in four such runs, a tie within the load's noise.
 :data:`AUTO_TREE` (``tree_budget: "auto"``) is that shape.
 """
 
