@@ -121,6 +121,7 @@ def configs(args) -> dict[str, Config]:
         Config("sd_eagle3_tree", "sd", {**e3, **tree}),
         Config("ssd_eagle3", "ssd", {**e3, **geometric}),
         Config("ssd_eagle3_tree", "ssd", {**e3, **tree, "fanout_budget": B}),
+        Config("ssd_eagle3_tree_auto", "ssd", {**e3, "tree_budget": "auto", "fanout_budget": B}),  # AUTO_TREE
         # the planner's choice of K (up to K, or no speculation) for the same drafters
         Config("sd_ngram_plan", "sd", {"method": "ngram"}, plan=True),
         Config("sd_eagle3_plan", "sd", {"method": "eagle3", "model": head}, plan=True),

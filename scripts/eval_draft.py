@@ -16,7 +16,7 @@ at F = 1..8, teacher-forced tau and step accuracy on the target's greedy answers
 accuracy per TTT step and held-out tau against steps; :func:`train.tracking.plot_learning_curve`).
 
 ``--node-table`` serves each draft with SSD instead (speculator in this process, trees of ``--tree-budget`` nodes
-and a chain, fan-out budget ``--fanout-budget``) and prints the per-node hit table of
+(default ``auto``) and a chain, fan-out budget ``--fanout-budget``) and prints the per-node hit table of
 :class:`ssd_eagle.ssd.branch_trees.NodeHitTable`: for every node (rank path; depth, rank among siblings) how often
 it was proposed, how often the verification outcome landed on it (and the draft's own estimate of that), how
 often the bonus was among the candidates stored there, and the histogram of the bonus's rank among the draft's
@@ -113,7 +113,8 @@ def main() -> None:
                     help="write RUN_DIR/learning_curve.png from a training run's metrics.jsonl (repeatable)")
     ap.add_argument("--no-eval", action="store_true", help="only write the --curve PNGs")
     ap.add_argument("--node-table", action="store_true", help="SSD per-node hit tables (trees and chains) instead")
-    ap.add_argument("--tree-budget", type=int, default=16)
+    ap.add_argument("--tree-budget", type=lambda v: v if v == "auto" else int(v), default="auto",
+                    help="tree nodes, or auto (ssd_eagle.ssd.branch_trees.AUTO_TREE, whatever --tree-topk says)")
     ap.add_argument("--tree-topk", type=int, default=4)
     ap.add_argument("--fanout-budget", type=int, default=24)
     args = ap.parse_args()
@@ -140,7 +141,10 @@ def main() -> None:
             tree = {"tree_budget": args.tree_budget, "tree_depth": args.k, "tree_topk": args.tree_topk}
             chain = {"fanout_strategy": "geometric"}
             for kind, extra in (("tree", tree), ("chain", chain)):
-                result = node_table(model, tokenizer, SpeculativeConfig(**{**ssd, **extra}), every, args.max_tokens)
+                config = SpeculativeConfig(**{**ssd, **extra})
+                if kind == "tree":
+                    kind = f"tree ({config.tree_budget} nodes, top-{config.tree_topk})"
+                result = node_table(model, tokenizer, config, every, args.max_tokens)
                 print_node_table(f"{name} {kind} B={args.fanout_budget}", result)
         print(f"\n{describe_line('cpu', dtype)}\nK={args.k} T=0 max_tokens={args.max_tokens} prompts={len(every)}")
         return

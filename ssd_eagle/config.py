@@ -95,8 +95,10 @@ class SpeculativeConfig(ConfigModel):
     speculator_heartbeat_timeout: float = Field(3.0, gt=0.5, le=60.0, description="seconds without a heartbeat "
                                                 "(one every 0.5 s) after which the speculator process is hung: "
                                                 "killed, then restarted by the server")
-    tree_budget: int = Field(0, ge=0, description="propose EAGLE-2 dynamic trees of this many nodes (0: chains of "
-                             "K tokens)")
+    tree_budget: Annotated[int, Field(ge=0)] | Literal["auto"] = Field(
+        0, description="propose EAGLE-2 dynamic trees of this many nodes (0: chains of K tokens), or auto: the largest tree "
+        "measured to keep up with chains in SSD with the committed heads (ssd_eagle.ssd.branch_trees.AUTO_TREE: 6 nodes, "
+        "tree_topk 2; chains for ngram)")
     tree_depth: int = Field(5, ge=1, description="dynamic tree levels (capped by K)")
     tree_topk: int = Field(4, ge=1, description="dynamic tree expansions per level")
 
@@ -106,6 +108,12 @@ class SpeculativeConfig(ConfigModel):
             raise ValueError(f"speculative_config.model is required for method {self.method!r}")
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ValueError("speculative_config.prompt_lookup_min/prompt_lookup_max must satisfy 1 <= min <= max")
+        if self.tree_budget == "auto":
+            from ssd_eagle.ssd.branch_trees import AUTO_TREE
+
+            self.tree_budget = AUTO_TREE.budget if self.method != "ngram" else 0  # (n-gram proposals are chains)
+            if self.tree_budget:
+                self.tree_topk = AUTO_TREE.topk
         if self.tree_budget and self.method == "ngram":
             raise ValueError("speculative_config.tree_budget needs a neural draft (draft_model or eagle3)")
         if self.fanout_power == "auto" and self.fanout_strategy != "geometric" and not self.tree_budget:

@@ -51,6 +51,8 @@ class SpecStats:
         planned_k: rounds per draft length the planner (:mod:`ssd_eagle.planner`) gave the request, K = 0 (plain
             decoding) included, probes under their probe length; empty without a planner.
         num_probes: rounds in which a request the planner had switched off drafted a short probe.
+        fanout_built: branches the speculation cache held at the lookups (the fan-out actually built, summed).
+        fanout_power: the speculator's fitted r at the last lookup (``fanout_power: "auto"``; None before its fit).
     """
 
     num_rounds: int = 0
@@ -73,6 +75,8 @@ class SpecStats:
     prefill_time: float = 0.0
     planned_k: dict[int, int] = field(default_factory=dict)
     num_probes: int = 0
+    fanout_built: int = 0
+    fanout_power: float | None = None
 
     def record_plan(self, k: int, probe: bool) -> None:
         """Record the planner's draft length ``k`` for one request's round (``probe``: a probe of a request whose
@@ -88,10 +92,14 @@ class SpecStats:
         self.num_emitted += num_emitted
         self.accepted_lengths.append(num_accepted)
 
-    def record_lookup(self, k: int, hit: bool, num_emitted: int, wait: float = 0.0) -> None:
-        """Record one speculation cache lookup for accepted length ``k``, the tokens the round then emitted and the
-        seconds the verifier waited for the round's drafts."""
+    def record_lookup(self, k: int, hit: bool, num_emitted: int, wait: float = 0.0, fanout: int | None = None,
+                      fanout_power: float | None = None) -> None:
+        """Record one speculation cache lookup for accepted length ``k``, the tokens the round then emitted, the
+        seconds the verifier waited for the round's drafts, the branches the cache held and the fitted r."""
         self.cache_lookups += 1
+        self.fanout_built += fanout or 0
+        if fanout_power is not None:
+            self.fanout_power = fanout_power
         self.lookups_per_k[k] = self.lookups_per_k.get(k, 0) + 1
         if hit:
             self.cache_hits += 1
@@ -131,8 +139,10 @@ class SpecStats:
         """Add ``other``'s counters into this one (in place) and return self."""
         for name in ("num_rounds", "num_emitted", "num_drafted", "num_accepted", "cache_lookups", "cache_hits",
                      "emitted_on_hit", "rounds_on_hit", "emitted_on_miss", "rounds_on_miss", "wait_on_hit",
-                     "wait_on_miss", "verify_time", "draft_time", "prefill_time", "num_probes"):
+                     "wait_on_miss", "verify_time", "draft_time", "prefill_time", "num_probes", "fanout_built"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
+        if other.fanout_power is not None:
+            self.fanout_power = other.fanout_power
         self.accepted_lengths.extend(other.accepted_lengths)
         for mine, theirs in ((self.lookups_per_k, other.lookups_per_k), (self.hits_per_k, other.hits_per_k),
                              (self.planned_k, other.planned_k)):
@@ -144,7 +154,9 @@ class SpecStats:
         """A JSON-ready dict of the headline figures (the server's ``spec_stats`` field). With a planner it adds
         ``planned_rounds_per_k`` (``{K: rounds}``, K = 0 included), ``rounds_without_speculation`` (rounds at K = 0)
         and ``probes``; with speculation cache lookups, the hit rates and the verifier's mean wait per round on hits
-        and on misses in milliseconds (``wait_on_hit_ms``, ``wait_on_miss_ms``; None without such rounds)."""
+        and on misses in milliseconds (``wait_on_hit_ms``, ``wait_on_miss_ms``; None without such rounds), the
+        branches the cache held per lookup (``fanout_per_lookup``) and the fitted r (``fanout_power``, None unless
+        ``fanout_power: "auto"`` has fitted it)."""
         out = {
             "rounds": self.num_rounds,
             "emitted_tokens": self.num_emitted,
@@ -156,6 +168,8 @@ class SpecStats:
         if self.cache_lookups:
             out["cache_hit_rate"] = round(self.cache_hits / self.cache_lookups, 4)
             out["cache_lookups"] = self.cache_lookups
+            out["fanout_per_lookup"] = round(self.fanout_built / self.cache_lookups, 2)
+            out["fanout_power"] = None if self.fanout_power is None else round(self.fanout_power, 4)
             out["cache_hit_rate_per_k"] = {
                 k: round(self.hits_per_k.get(k, 0) / n, 4) for k, n in sorted(self.lookups_per_k.items())
             }

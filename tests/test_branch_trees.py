@@ -9,10 +9,12 @@ import torch
 from helpers import make_tiny_llama, noisy_copy, random_prompts
 from ssd_eagle.config import SpeculativeConfig
 from ssd_eagle.drafters.base import Proposal
+from ssd_eagle.drafters.tree import TreeSettings
 from ssd_eagle.engine.llm import LLM
 from ssd_eagle.sampling_params import SamplingParams
-from ssd_eagle.ssd.branch_trees import (NodeHitTable, NodeLayout, allocate_fanout, draft_land_probabilities,
-                                        tree_fanout)
+from ssd_eagle.ssd.branch_trees import (AUTO_TREE, NodeHitTable, NodeLayout, allocate_fanout,
+                                        draft_land_probabilities, tree_fanout)
+from ssd_eagle.verify import tree_verify
 from test_ssd import _greedy_outputs_match, ssd_engine
 
 K = 3
@@ -149,3 +151,35 @@ def test_a_tree_spreads_only_the_time_budgets_branches(byte_tokenizer):
         engine.step()
         stored += [(sum(map(len, s.candidates.values())), len(s.cache)) for s in speculator.seqs.values()]
     assert stored and set(stored) == {(3, 3)}
+
+
+def test_tree_budget_auto_is_the_measured_shape():
+    """``tree_budget: "auto"`` proposes :data:`AUTO_TREE` (6 nodes, top-2: it tied the chain in SSD where 16 nodes,
+    top-4 lost; branch_trees' docstring), whatever ``tree_topk`` says (a config dumped and re-read lists every field), and
+    means chains for the n-gram drafter."""
+    auto = SpeculativeConfig.from_dict({"method": "eagle3", "model": "d", "tree_budget": "auto"})
+    assert (auto.tree_budget, auto.tree_topk) == (AUTO_TREE.budget, AUTO_TREE.topk) == (6, 2)
+    assert auto.tree_settings() == TreeSettings(6, 5, 2) and auto.max_draft_tokens == 6
+    dumped = SpeculativeConfig.from_dict({**SpeculativeConfig(method="eagle3", model="d").to_dict(),
+                                          "tree_budget": "auto"})  # (how --tree-budget overrides a config)
+    assert (dumped.tree_budget, dumped.tree_topk) == (6, 2)
+    assert SpeculativeConfig.from_dict({"tree_budget": "auto"}).tree_settings() is None  # ngram: chains
+    assert SpeculativeConfig.from_dict({"method": "eagle3", "model": "d", "tree_budget": 16}).tree_budget == 16
+    for bad in ("big", -1, True, "6"):
+        with pytest.raises(ValueError, match="tree_budget"):
+            SpeculativeConfig.from_dict({"method": "eagle3", "model": "d", "tree_budget": bad})
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_the_bonus_at_a_node_is_never_one_of_its_children(temperature):
+    """Why :func:`bonus_candidates` leaves a node's children out: the walk of ``tree_verify`` accepts a child
+    whose token the target draws there, so the bonus where it stops is never a child's token (at any T)."""
+    gen = torch.Generator().manual_seed(0)
+    proposal = Proposal([0, 1, 2, 0, 1], parents=[0, 0, 1, 1, 2])  # root -> {0, 1}; 1 -> {2, 0}; 2 -> {1}
+    nodes = NodeLayout.of(proposal)
+    for _ in range(200):
+        logits = torch.randn(6, 4, generator=gen) * 2
+        probs = torch.softmax(logits, dim=-1) if temperature else None
+        path, bonus = tree_verify(logits, proposal.tokens, proposal.parents, probs, gen)
+        u = path[-1] if path else 0
+        assert bonus not in {proposal.tokens[c - 1] for c in nodes.children[u]}

@@ -15,6 +15,7 @@ from ssd_eagle.sampling_params import SamplingParams
 from ssd_eagle.ssd.fanout import OnlinePowerFit, fit_power_law, geometric_fanout, hit_rate_by_rank
 from ssd_eagle.ssd.speculator import SpecRequest
 from ssd_eagle.ssd.worker import SpeculatorSettings, build_speculator
+from ssd_eagle.stats import SpecStats
 from test_ssd import ssd_engine
 
 
@@ -118,3 +119,20 @@ def test_ssd_with_auto_fanout_stays_lossless_and_reports_r(byte_tokenizer):
     stats, _ = engine.drafter.speculator.stats()
     assert stats.lookups >= 50 and stats.fanout_power is not None and 0.05 <= stats.fanout_power <= 5.0
     assert sum(engine.drafter.speculator.speculator.fanout) == 10
+    # per request: the r fitted when its lookups ran (the last request's is the speculator's), and the branches
+    # the cache held per lookup (at most the budget B = 10: a branch enters the cache once drafted to its end)
+    summaries = [out.stats.summary() for out in outs]
+    assert summaries[-1]["fanout_power"] == pytest.approx(stats.fanout_power, abs=1e-4)
+    assert all(0 < s["fanout_per_lookup"] <= 10 for s in summaries)
+    assert summaries[0]["fanout_power"] is None  # its lookups all ran before the 50th
+
+
+def test_spec_stats_average_the_built_fanout_and_keep_the_latest_r():
+    a, b = SpecStats(), SpecStats()
+    a.record_lookup(0, True, 2, fanout=10, fanout_power=None)  # before the first fit
+    a.record_lookup(1, False, 1, fanout=4, fanout_power=0.3)
+    b.record_lookup(0, False, 1, fanout=7, fanout_power=0.25)
+    assert a.summary()["fanout_per_lookup"] == 7.0 and a.summary()["fanout_power"] == 0.3
+    total = a.merge(b).summary()
+    assert total["fanout_per_lookup"] == 7.0 and total["fanout_power"] == 0.25
+    assert SpecStats().merge(SpecStats()).fanout_power is None and "fanout_power" not in SpecStats().summary()

@@ -21,7 +21,7 @@ masses): always right for greedy rows and for lookup-based drafters.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -41,6 +41,8 @@ class Proposal:
             listed before their children.
         hidden: EAGLE-3 only, the draft's side: float [k, H_draft], the head's output at each node's parent (the
             feature paired with the node's token when it is fed back). Never sent to the verifier.
+        fanout: SSD only: the branches the speculation cache held for the lookup (the fan-out actually built).
+        fanout_power: SSD only: the speculator's fitted r (``fanout_power: "auto"``; None before its first fit).
     """
 
     tokens: list[int]
@@ -49,6 +51,8 @@ class Proposal:
     lookup_k: int | None = None
     parents: list[int] | None = None
     hidden: torch.Tensor | None = None
+    fanout: int | None = None
+    fanout_power: float | None = None
 
     def parent_list(self) -> list[int]:
         """Each node's parent (0 = the root), for a chain ``[0, 1, ..., k-1]``."""
@@ -57,17 +61,17 @@ class Proposal:
     def cut(self, budget: int) -> Proposal:
         """At most ``budget`` tokens of a chain; a tree keeps the nodes at depth <= ``budget``."""
         if self.parents is None:
-            return Proposal(self.tokens[:budget], None if self.q is None else self.q[:budget], self.cache_hit,
-                            self.lookup_k, None, None if self.hidden is None else self.hidden[:budget])
+            return replace(self, tokens=self.tokens[:budget], q=None if self.q is None else self.q[:budget],
+                           hidden=None if self.hidden is None else self.hidden[:budget])
         depth, keep, new_id = [0], [], {0: 0}
         for i, p in enumerate(self.parents, start=1):
             depth.append(depth[p] + 1)
             if depth[i] <= budget and p in new_id:
                 new_id[i] = len(keep) + 1
                 keep.append(i)
-        return Proposal([self.tokens[i - 1] for i in keep], None, self.cache_hit, self.lookup_k,
-                        [new_id[self.parents[i - 1]] for i in keep],
-                        None if self.hidden is None else self.hidden[[i - 1 for i in keep]])
+        return replace(self, tokens=[self.tokens[i - 1] for i in keep], q=None,
+                       parents=[new_id[self.parents[i - 1]] for i in keep],
+                       hidden=None if self.hidden is None else self.hidden[[i - 1 for i in keep]])
 
 
 class Drafter(ABC):

@@ -13,11 +13,25 @@ Until a rank path has been seen, its probabilities are the draft's own (:func:`d
 the power law of :mod:`ssd_eagle.ssd.fanout`, :func:`power_law_rank_prior`), blended with the counts as they arrive.
 
 Measured 2026-12-01 (``scripts/eval_draft.py --node-table``; SmolLM2-135M bfloat16 with the committed EAGLE-3
-head, AMD EPYC avx512_bf16, held-out prompts, K = 5, B = 24, T = 0, no time cap): the outcome lands on the root
-in 55-65% of rounds and on the best first child in 18-27%; the draft's own P(land) matches those rates within a
-few points. A 16-node tree (top-4) moves the root's best bonus candidates into its children, so the true bonus
-there is past the 24 best remaining candidates 65% of the time: cache hit 0.15 against the chain's 0.32 (4 prompts
-x 64 tokens). A 6-node tree (top-2) hit as often as the chain (0.24 and 0.24 on 2 prompts; tau 1.58 against 1.50).
+head, AMD EPYC avx512_bf16, 2 held-out prompts x 64 tokens, K = 5, B = 24, T = 0, no time cap). The bonus is
+hard to predict wherever verification stops: at the root, the true bonus is past the draft's 24 best remaining
+candidates 53% of the time for a chain and 58% for a 16-node tree, whose 4 children took the root's best guesses
+(a tree turns the easy outcomes into acceptances). The draft's own P(land) is close at the root (0.54-0.65 against
+0.56-0.65 measured), overrates a second child (0.07 against 0.01) and underrates deep nodes. The children are
+rightly left out of their parent's candidates: :func:`ssd_eagle.verify.tree_verify` emits a child's token only by
+accepting it. So the tree's hits come from few, thinly covered nodes:
+
+    shape (nodes, top-k)    cache hit   tau     (B = 24; the chain's figures were the same in both runs)
+    chain (K = 5)           0.244       1.500
+    16, top-4               0.127       1.726
+    6, top-2                0.244       1.575
+
+With the time cap (``scripts/bench_ssd.py --configs ar,ssd_eagle3,ssd_eagle3_tree,ssd_eagle3_tree_auto
+--temperatures 0 --prompts 1 --max-tokens 64``: verifier and speculator on a core each, the machine loaded) the
+16-node tree also verifies 17 tokens and builds ~2x a chain's branch-steps: hit 0.07-0.08, 0.81-0.84x the chain's tok/s. The
+6-node top-2 tree verifies at about the chain's cost (bf16: 7 tokens cost what 6 do) and hit 0.13-0.21 (tau 1.575
+against 1.50): 0.88x, 1.07x, 1.17x and 1.08x the chain's tok/s in four such runs, a tie within the load's noise.
+:data:`AUTO_TREE` (``tree_budget: "auto"``) is that shape.
 """
 
 from __future__ import annotations
@@ -30,6 +44,11 @@ import torch
 
 from ssd_eagle.drafters.base import Proposal
 from ssd_eagle.drafters.tree import TreeSettings, grow_trees
+
+
+AUTO_TREE = TreeSettings(budget=6, depth=5, topk=2)
+"""The tree ``tree_budget: "auto"`` proposes (depth capped by K): with the committed heads it tied the chain in SSD
+at the same budget B, where larger trees lost (module docstring): they spread B over more nodes than it covers."""
 
 
 @dataclass

@@ -8,7 +8,8 @@ n_floats]`` and then the payloads as plain tensors (no pickling on the hot path)
               floats [temperature, top_p, aux[(n - done) * W]]           (their aux states: EAGLE-3 only)
     PROPOSE   ints   [rows, W, per row: slot, k, bonus, budget; then every row's k accepted tokens]
               floats [aux[(k + 1) * W] of every row with k >= 0]         (W = 0: no aux)
-    REPLY     ints   [rows, per row: hit, lookup_k, m, has_q, is_tree, tokens[m], parents[m] if is_tree]
+    REPLY     ints   [rows, per row: hit, lookup_k, fanout, power_micro, m, has_q, is_tree, tokens[m],
+                      parents[m] if is_tree]
               floats [q[m * V] of every row with has_q]
     REMOVE    ints   [slot]
     STATS     request: empty; reply ints [lookups, hits, builds, backup_forwards, interrupted, power_micro, n,
@@ -35,7 +36,8 @@ import torch
 from ssd_eagle.drafters.base import Proposal
 from ssd_eagle.sampling_params import SamplingParams
 
-PROTOCOL_VERSION = 4  # 3: STATS without interrupted builds and the fitted r; 2: one ADD per sequence (no chunks);
+PROTOCOL_VERSION = 5  # 4: REPLY without fanout and r; 3: STATS without interrupted builds and the fitted r;
+# 2: one ADD per sequence (no chunks);
 # 1: the unversioned layout before this module (no aux width, float statistics)
 ADD, PROPOSE, REPLY, REMOVE, STATS, SHUTDOWN, ERROR = range(1, 8)
 
@@ -127,8 +129,9 @@ def encode_reply(proposals: list[Proposal]) -> Message:
     ints, qs = [len(proposals)], []
     for p in proposals:
         is_tree = p.parents is not None
-        ints += [_none_as(p.cache_hit), _none_as(p.lookup_k), len(p.tokens), int(p.q is not None), int(is_tree),
-                 *p.tokens, *(p.parents if is_tree else [])]
+        power = None if p.fanout_power is None else round(p.fanout_power * 1e6)
+        ints += [_none_as(p.cache_hit), _none_as(p.lookup_k), _none_as(p.fanout), _none_as(power), len(p.tokens),
+                 int(p.q is not None), int(is_tree), *p.tokens, *(p.parents if is_tree else [])]
         if p.q is not None:
             qs.append(p.q.reshape(-1).cpu())
     return Message(REPLY, torch.tensor(ints, dtype=torch.long), torch.cat(qs) if qs else None)
@@ -139,8 +142,8 @@ def decode_reply(msg: Message, vocab_size: int) -> list[Proposal]:
     values = msg.ints.tolist()
     proposals, cursor, offset = [], 1, 0
     for _ in range(values[0]):
-        hit, lookup_k, m, has_q, is_tree = values[cursor: cursor + 5]
-        cursor += 5
+        hit, lookup_k, fanout, power, m, has_q, is_tree = values[cursor: cursor + 7]
+        cursor += 7
         tokens = values[cursor: cursor + m]
         cursor += m
         parents = None
@@ -152,7 +155,9 @@ def decode_reply(msg: Message, vocab_size: int) -> list[Proposal]:
             q = msg.floats[offset: offset + m * vocab_size].clone().view(m, vocab_size)
             offset += m * vocab_size
         hit = _as_none(hit)
-        proposals.append(Proposal(tokens, q, None if hit is None else bool(hit), _as_none(lookup_k), parents))
+        power = _as_none(power)
+        proposals.append(Proposal(tokens, q, None if hit is None else bool(hit), _as_none(lookup_k), parents,
+                                  fanout=_as_none(fanout), fanout_power=None if power is None else power / 1e6))
     return proposals
 
 

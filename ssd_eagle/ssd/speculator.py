@@ -162,17 +162,18 @@ class Speculator:
         """Commit each row's outcome, answer from the speculation cache or the backup, and remember what to
         build. Call :meth:`build` after the reply has gone out."""
         replies: list[Proposal | None] = [None] * len(requests)
+        lookups: list[dict] = []  # per row, what the reply says of its lookup (none in a sequence's first round)
         misses: list[int] = []
         self._to_build = []
         for i, req in enumerate(requests):
             seq = self.seqs[req.slot]
             hit = self._commit(seq, req) if req.num_accepted >= 0 else None
-            lookup_k = req.num_accepted if hit is not None else None
+            lookups.append({} if hit is None else {"cache_hit": hit, "lookup_k": req.num_accepted,
+                                                   "fanout": len(seq.cache), "fanout_power": self.stats.fanout_power})
             if hit:
-                replies[i] = self._reply(seq, seq.cache[self._key(seq, req)].cut(req.budget), True, lookup_k)
+                replies[i] = self._reply(seq, seq.cache[self._key(seq, req)].cut(req.budget), lookups[i])
             else:
                 misses.append(i)
-                replies[i] = Proposal([], cache_hit=hit, lookup_k=lookup_k)
             seq.cache, seq.candidates, seq.built, seq.nodes = {}, {}, False, None
             self._to_build.append((seq, hit is False))
         if misses:
@@ -184,7 +185,7 @@ class Speculator:
             if not fast:
                 self.budget.observe_backup(time.perf_counter() - before)
             for i, seq, draft in zip(misses, rows, drafts):
-                replies[i] = self._reply(seq, draft, replies[i].cache_hit, replies[i].lookup_k)
+                replies[i] = self._reply(seq, draft, lookups[i])
         return replies
 
     def _key(self, seq: _Seq, req: SpecRequest) -> tuple[tuple[int, ...], int]:
@@ -221,11 +222,13 @@ class Speculator:
             self.budget.observe_lookup(hit)
         return hit
 
-    def _reply(self, seq: _Seq, draft: Proposal, hit: bool | None, lookup_k: int | None) -> Proposal:
-        """Remember ``draft`` as the row's proposal; the reply is a copy without the draft's outputs."""
+    def _reply(self, seq: _Seq, draft: Proposal, lookup: dict) -> Proposal:
+        """Remember ``draft`` as the row's proposal; the reply is a copy without the draft's outputs, with
+        ``lookup``'s fields (cache_hit, lookup_k, fanout, fanout_power; none without a lookup)."""
         seq.proposal, seq.fed = draft, False
         seq.path_base = len(seq.token_ids)
-        return replace(draft, tokens=list(draft.tokens), cache_hit=hit, lookup_k=lookup_k, hidden=None)
+        none = {"cache_hit": None, "lookup_k": None, "fanout": None, "fanout_power": None}
+        return replace(draft, tokens=list(draft.tokens), hidden=None, **{**none, **lookup})
 
     # backups
     def _fast_backup(self, rows: list[_Seq], budgets: list[int]) -> list[Proposal]:
