@@ -17,7 +17,7 @@ from typing import Annotated, Literal
 from pydantic import BeforeValidator, Field, model_validator
 
 from ssd_eagle.assets import DEFAULT_MODEL
-from ssd_eagle.platform import DTYPE_HELP, resolve_dtype
+from ssd_eagle.platform import DTYPE_HELP, DTYPES, resolve_dtype
 from ssd_eagle.schema import ConfigModel, Flag, add_flags, flags_for, load_yaml, validated
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
@@ -241,7 +241,7 @@ class EngineConfig(ConfigModel):
     @model_validator(mode="after")
     def _default_drafter(self) -> EngineConfig:
         if self.mode != "ar" and self.speculative_config is None:
-            self.speculative_config = default_speculative_config()
+            self.speculative_config = default_speculative_config(self.torch_dtype)
         return self
 
     @property
@@ -249,14 +249,19 @@ class EngineConfig(ConfigModel):
         return resolve_dtype(self.dtype, self.device)
 
 
-def _default_serving() -> dict:
-    return load_yaml(DEFAULT_SERVING_CONFIG) if DEFAULT_SERVING_CONFIG.is_file() else {}
+def _default_serving(dtype=None) -> dict:
+    """``configs/default_serving.yaml``, its ``by_dtype`` entry for ``dtype`` (a torch dtype or its name) laid
+    over the top-level keys (the fallback of a dtype without one)."""
+    raw = load_yaml(DEFAULT_SERVING_CONFIG) if DEFAULT_SERVING_CONFIG.is_file() else {}
+    name = str(dtype).removeprefix("torch.") if dtype is not None else None
+    return {**raw, **((raw.get("by_dtype") or {}).get(name) or {})}
 
 
-def default_speculative_config() -> SpeculativeConfig:
-    """The drafter of ``configs/default_serving.yaml`` (the fastest lossless configuration of the latest benchmark
-    run), or the n-gram drafter when that file is absent."""
-    spec = _default_serving().get("speculative_config")
+def default_speculative_config(dtype=None) -> SpeculativeConfig:
+    """The drafter of ``configs/default_serving.yaml`` for ``dtype`` (the resolved target dtype; the fastest
+    lossless configuration of the latest benchmark run in that dtype), or the n-gram drafter when that file is
+    absent."""
+    spec = _default_serving(dtype).get("speculative_config")
     if spec:
         spec = dict(spec)
         if spec.get("model") and not Path(spec["model"]).is_absolute() and \
@@ -274,9 +279,9 @@ def default_draft_model(method: str) -> str | None:
     return None
 
 
-def default_mode() -> str:
-    """The mode of ``configs/default_serving.yaml`` (``sd`` when absent)."""
-    return _default_serving().get("mode", "sd")
+def default_mode(dtype=None) -> str:
+    """The mode of ``configs/default_serving.yaml`` for ``dtype`` (``sd`` when absent)."""
+    return _default_serving(dtype).get("mode", "sd")
 
 
 _SPEC_OVERRIDES = ("num_speculative_tokens", "tree_budget", "tree_depth", "tree_topk")
@@ -318,9 +323,11 @@ def engine_config_from_args(args) -> EngineConfig:
 
     text = getattr(args, "speculative_config", None)
     spec = SpeculativeConfig.from_json(text) if text else None
-    mode = getattr(args, "mode", None) or default_mode()
+    dtype = getattr(args, "dtype", None) or "auto"  # the defaults are per resolved dtype
+    dtype = resolve_dtype(dtype, getattr(args, "device", None) or "cpu") if dtype in DTYPES else None
+    mode = getattr(args, "mode", None) or default_mode(dtype)
     if spec is None and mode != "ar":
-        spec = default_speculative_config()
+        spec = default_speculative_config(dtype)
     if spec is not None:
         overrides = {f.field: given(f) for f in ENGINE_FLAGS if f.model is SpeculativeConfig and given(f) is not None}
         if overrides.get("method", spec.method) != spec.method:

@@ -243,6 +243,7 @@ class Planner:
         self.costs = costs
         self.draft_cost = OnlineLine()  # seconds of drafting for a round vs its draft length
         self.verify_scale = 1.0  # measured verify time / table prediction (EMA)
+        self.catch_up_cost = 0.0  # seconds a drafter spends catching up on the rounds it skipped (EMA over probes)
         self.acceptance: dict[str, Acceptance] = {}
         self.engine_wide = Acceptance(decay=0.98)
         self.idle_rounds: dict[str, int] = {}
@@ -304,20 +305,28 @@ class Planner:
         """Fewest rounds between a request's probes for them to cost at most ``probe_overhead`` of the time of
         plain decoding (from the cost table and the learnt drafting cost)."""
         plain = self.round_time(0, batch)
-        extra = self.round_time(min(self.config.probe_k, self.config.max_k), batch) - plain
+        extra = self.round_time(min(self.config.probe_k, self.config.max_k), batch) - plain + self.catch_up_cost
         return max(1, math.ceil(extra / (self.config.probe_overhead * plain) - 1e-9)) if plain > 0 else 1
 
     def observe(self, drafted: dict[str, tuple[int, int]], draft_seconds: float, verify_seconds: float,
-                width: int) -> None:
+                width: int, catch_up_seconds: float = 0.0) -> None:
         """Learn from a verified round.
 
         Args:
             drafted: ``{request_id: (num_drafted, num_accepted)}`` for the round's chain rows.
             draft_seconds / verify_seconds: the round's measured drafting and verification time.
             width: new tokens per row in the verify forward (longest draft + 1).
+            catch_up_seconds: the part of ``draft_seconds`` the drafter spent feeding the tokens of rounds it
+                skipped (:meth:`NeuralDrafter.catch_up <ssd_eagle.drafters.neural.NeuralDrafter.catch_up>`): paid
+                by a probe or the first round back, not by drafting, so it is learnt apart from ``D(K)`` and
+                counted in the probes' spacing.
         """
         if not drafted:
             return
+        if catch_up_seconds > 0 and self.config.learn_costs:
+            self.catch_up_cost = 0.7 * self.catch_up_cost + 0.3 * catch_up_seconds if self.catch_up_cost \
+                else catch_up_seconds
+            draft_seconds -= catch_up_seconds
         for r, (n, k) in drafted.items():
             self.acceptance.setdefault(r, Acceptance()).record(n, k)
             self.engine_wide.record(n, k)
@@ -341,12 +350,12 @@ class Planner:
         return [min(b, plan[s.request_id][0]) for s, b in zip(seqs, budgets)]
 
     def observe_round(self, seqs: list, proposals: list, paths: list[list[int]], draft_seconds: float,
-                      verify_seconds: float) -> None:
+                      verify_seconds: float, catch_up_seconds: float = 0.0) -> None:
         """The engine's hook after verifying: learn from the chain rows of the round (trees are not planned)."""
         drafted = {s.request_id: (len(p.tokens), len(path)) for s, p, path in zip(seqs, proposals, paths)
                    if p.parents is None}
         width = 1 + max((len(p.tokens) for p in proposals), default=0)
-        self.observe(drafted, draft_seconds, verify_seconds, width)
+        self.observe(drafted, draft_seconds, verify_seconds, width, catch_up_seconds)
 
     def forget(self, request_id: str) -> None:
         self.acceptance.pop(request_id, None)

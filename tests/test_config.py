@@ -81,7 +81,8 @@ def test_speculative_config_keeps_its_keys_and_methods():
     config = EngineConfig(mode="sd", speculative_config={"method": "ngram", "num_speculative_tokens": 3})
     assert config.speculative_config.num_speculative_tokens == 3
     assert EngineConfig(mode="ar").speculative_config is None
-    assert EngineConfig(mode="sd").speculative_config == default_speculative_config()
+    auto = EngineConfig(mode="sd")  # the default drafter is the one recorded for the resolved dtype
+    assert auto.speculative_config == default_speculative_config(auto.torch_dtype)
 
 
 def _generate_args(argv):
@@ -176,3 +177,25 @@ def test_cuda_and_cuda0_are_one_gpu_for_the_link():
 
     assert cuda_index("cuda:0") == 0 and cuda_index("cuda:1") == 1
     assert cuda_index("cuda") == cuda_index("cuda:0")
+
+
+def test_default_serving_config_is_picked_per_resolved_dtype(tmp_path, monkeypatch):
+    """configs/default_serving.yaml records the fastest lossless configuration per dtype (issue 13 item 6):
+    inference.serve/inference.generate (engine_config_from_args) and EngineConfig take the entry of the resolved
+    dtype, the top-level keys where a dtype has none."""
+    import ssd_eagle.config as config
+
+    path = tmp_path / "default_serving.yaml"
+    path.write_text("mode: sd\nspeculative_config: {method: ngram, num_speculative_tokens: 4}\n"
+                    "by_dtype:\n  bfloat16:\n    speculative_config: {method: eagle3, model: /heads/e3}\n"
+                    "  float16:\n    mode: ssd\n")
+    monkeypatch.setattr(config, "DEFAULT_SERVING_CONFIG", path)
+    bf16 = engine_config_from_args(_generate_args(["--dtype", "bfloat16"]))
+    assert (bf16.mode, bf16.speculative_config.method, bf16.speculative_config.model) == ("sd", "eagle3", "/heads/e3")
+    assert "num_speculative_tokens" not in bf16.speculative_config.model_fields_set  # the planner picks K
+    f32 = engine_config_from_args(_generate_args(["--dtype", "float32"]))
+    assert (f32.speculative_config.method, f32.speculative_config.num_speculative_tokens) == ("ngram", 4)
+    assert engine_config_from_args(_generate_args(["--dtype", "float16"])).mode == "ssd"
+    assert EngineConfig(mode="sd", dtype="bfloat16").speculative_config.method == "eagle3"
+    assert EngineConfig(mode="sd", dtype="float32").speculative_config.method == "ngram"
+    assert config.default_mode() == "sd" and config.default_speculative_config().method == "ngram"

@@ -87,6 +87,11 @@ class DraftBackend(ABC):
             ValueError: an EAGLE-3 draft without ``aux``, or a later chunk without ``pending``."""
 
     @abstractmethod
+    def write(self, slot: int, tokens: list[int], start: int, features: torch.Tensor | None) -> None:
+        """Cache ``tokens`` at cache positions ``start ..`` of ``slot`` in one dynamic-shape forward that computes
+        no logits (prefill and a drafter's catch-up). ``features`` (EAGLE-3): float [len(tokens), H], else None."""
+
+    @abstractmethod
     def run(self, batch: ForwardBatch, features: torch.Tensor | None,
             logits_index: torch.Tensor | None = None) -> DraftOut:
         """The draft model on ``batch`` in its own shapes (what :meth:`forward` runs dynamically)."""
@@ -191,9 +196,12 @@ class DraftLMBackend(DraftBackend):
                 pending=None) -> None:
         end = len(token_ids) - 1 if end is None else end
         if end > start:
-            batch = ForwardBatch.causal([token_ids[start:end]], [slot], [start], self.dtype, self.device)
-            self.runner.forward(batch, compute_logits=False)
+            self.write(slot, token_ids[start:end], start, None)
         return None
+
+    def write(self, slot: int, tokens: list[int], start: int, features=None) -> None:
+        batch = ForwardBatch.causal([tokens], [slot], [start], self.dtype, self.device)
+        self.runner.forward(batch, compute_logits=False)
 
     def run(self, batch: ForwardBatch, features=None, logits_index=None) -> DraftOut:
         return self.runner.forward(batch, logits_index=logits_index).logits, None
@@ -235,9 +243,13 @@ class Eagle3Backend(DraftBackend):
             fused = torch.cat([pending, fused])  # from start - 1: position t's entry is the pair (f_{t-1}, x_t)
         first = max(start, 1)  # token position 0 has no entry (no feature before it)
         if end > first:  # pairs (f_{t-1}, x_t) for first <= t < end go to the cache; the last feature stays pending
-            batch = ForwardBatch.causal([token_ids[first:end]], [slot], [first - 1], self.dtype, self.device)
-            self.head(batch.input_ids, fused[None, :-1], batch.position_ids, batch.attn_mask, self.kv.bind(batch))
+            self.write(slot, token_ids[first:end], first - 1, fused[:-1])
         return fused[-1:]
+
+    @torch.inference_mode()
+    def write(self, slot: int, tokens: list[int], start: int, features: torch.Tensor) -> None:
+        batch = ForwardBatch.causal([tokens], [slot], [start], self.dtype, self.device)
+        self.head(batch.input_ids, features[None], batch.position_ids, batch.attn_mask, self.kv.bind(batch))
 
     @torch.inference_mode()
     def run(self, batch: ForwardBatch, features: torch.Tensor, logits_index=None) -> DraftOut:

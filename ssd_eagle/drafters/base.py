@@ -81,6 +81,7 @@ class Drafter(ABC):
     name: str = "drafter"
     healthy: bool = True  # False after a failure: the engine then decodes without drafts
     error: str | None = None
+    catch_up_seconds: float = 0.0  # what the last propose spent feeding committed text it had skipped (not drafting)
 
     def prefill(self, seq, aux: list[torch.Tensor] | None) -> None:
         """The target has cached the prompt positions ``0 .. seq.num_cached - 1`` (not the whole prompt yet);
@@ -99,6 +100,10 @@ class Drafter(ABC):
 
     def remove_sequence(self, seq) -> None:
         """Forget ``seq``."""
+
+    def set_token_budget(self, tokens: int) -> None:
+        """The engine's ``max_num_batched_tokens``: a drafter catching up on many tokens forwards at most this many
+        at a time."""
 
     def fit_kv(self, num_rows: int, capacity: int) -> None:
         """The live requests need cache rows ``0 .. num_rows-1`` and at most ``capacity`` positions each (the

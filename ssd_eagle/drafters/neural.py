@@ -5,10 +5,18 @@ A prompt is prefilled chunk by chunk as the target caches it (:meth:`NeuralDraft
 the last chunk), and the draft's store follows the live requests (:meth:`NeuralDrafter.fit_kv`).
 
 Per sequence the drafter keeps ``num_cached``, the first token position whose draft cache entry is not valid for
-the committed text, and for EAGLE-3 the fused target features still to feed (``pending``, of token positions
-``num_cached .. len(token_ids) - 1``). A round: one :meth:`~DraftBackend.extend` over the committed tokens not yet
-cached (usually one or two) gives the first draft's distribution, then :func:`~ssd_eagle.drafters.chain.draft_chain`
-(K - 1 more forwards) or :func:`~ssd_eagle.drafters.tree.grow_after_committed` (one forward per level).
+the committed text, and for EAGLE-3 the target features still to feed (of token positions
+``num_cached .. len(token_ids) - 1``: ``pending`` fused, then ``raw`` aux states not fused yet). A round: one
+:meth:`~DraftBackend.extend` over the committed tokens not yet cached (usually one or two) gives the first draft's
+distribution, then :func:`~ssd_eagle.drafters.chain.draft_chain` (K - 1 more forwards) or
+:func:`~ssd_eagle.drafters.tree.grow_after_committed` (one forward per level).
+
+The draft is brought up to date lazily (:meth:`NeuralDrafter.catch_up`), so that a request whose speculation the
+planner (:mod:`ssd_eagle.planner`) has switched off costs no draft work per round: the tokens committed while no
+round drafted are fed by the next proposal (a probe, or speculation back on), in dynamic-shape forwards of at most
+``token_budget`` tokens (the engine's ``max_num_batched_tokens``). Until then an EAGLE-3 head only keeps the
+target's aux states of those tokens (captured with every verification: the capture costs nothing measurable), fused
+in one batched call every ``FUSE_ROWS`` rows or at the catch-up. The prompt is prefilled with the target's chunks.
 
 After the target accepts k drafts:
 
@@ -21,7 +29,8 @@ After the target accepts k drafts:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 
 import torch
 
@@ -66,12 +75,24 @@ def last_rows(pieces: list[torch.Tensor], n: int) -> torch.Tensor:
     return torch.cat(tail[::-1])[rows - n:] if len(tail) > 1 else tail[0][rows - n:]
 
 
+FUSE_ROWS = 64  # EAGLE-3: raw aux rows kept before they are fused in one call (bounds their memory)
+
+
 @dataclass
 class _State:
     num_cached: int  # first token position whose draft cache entry is not valid for the committed text
-    pending: torch.Tensor | None = None  # EAGLE-3: features of token positions num_cached .. len(token_ids) - 1
+    pending: torch.Tensor | None = None  # EAGLE-3: features of token positions num_cached .. (then raw's)
+    raw: list[torch.Tensor] = field(default_factory=list)  # EAGLE-3: aux states after pending's, not fused yet
     base: int = 0  # len(token_ids) when the last proposal was made (0: none since the last verification)
     fed: int = 0  # drafts of that proposal fed at their own positions
+    skipped: bool = False  # a round verified without a proposal since the draft was last fed
+
+    def features(self, backend: DraftBackend) -> torch.Tensor | None:
+        """``pending`` followed by the fused ``raw`` rows (fused here, in one call); ``raw`` is emptied."""
+        if self.raw:
+            self.pending = backend.append_features(self.pending, torch.cat(self.raw))
+            self.raw = []
+        return self.pending
 
 
 class NeuralDrafter(Drafter):
@@ -84,13 +105,17 @@ class NeuralDrafter(Drafter):
     """
 
     def __init__(self, backend: DraftBackend, saguaro: SaguaroSampling | None = None,
-                 tree: TreeSettings | None = None):
+                 tree: TreeSettings | None = None, token_budget: int = 512):
         self.backend = backend
         self.needs_aux_hidden = backend.needs_aux
         self.aux_layer_ids = backend.aux_layer_ids
         self.saguaro = saguaro
         self.tree = tree
+        self.token_budget = token_budget
         self.states: dict[str, _State] = {}
+
+    def set_token_budget(self, tokens: int) -> None:
+        self.token_budget = tokens
 
     def prefill(self, seq, aux: list[torch.Tensor] | None) -> None:
         st = self.states.setdefault(seq.request_id, _State(0))
@@ -105,6 +130,25 @@ class NeuralDrafter(Drafter):
         st.pending = self.backend.prefill(seq.slot, seq.token_ids, new, st.num_cached, end, st.pending)
         st.num_cached = end
 
+    def catch_up(self, seq) -> bool:
+        """After rounds that verified no proposal of ``seq``: feed the draft the tokens committed since it was last
+        fed, but the last (which the round's :meth:`~DraftBackend.extend` feeds), in dynamic-shape forwards of at
+        most ``token_budget`` tokens (:meth:`~DraftBackend.write`). Otherwise the last round left at most K + 1
+        tokens: they go with the extend. Returns whether it fed anything."""
+        st, b = self.states[seq.request_id], self.backend
+        last = len(seq.token_ids) - 1
+        if not st.skipped or last - st.num_cached < 2:
+            return False
+        features = st.features(b)
+        while st.num_cached < last:
+            n = min(self.token_budget, last - st.num_cached)
+            b.write(seq.slot, seq.token_ids[st.num_cached: st.num_cached + n], st.num_cached - b.offset,
+                    None if features is None else features[:n])
+            st.num_cached += n
+            features = None if features is None else features[n:]
+        st.pending, st.skipped = features, False
+        return True
+
     def remove_sequence(self, seq) -> None:
         self.states.pop(seq.request_id, None)
 
@@ -115,25 +159,32 @@ class NeuralDrafter(Drafter):
     @torch.inference_mode()
     def propose(self, seqs: list, num_tokens: list[int]) -> list[Proposal]:
         proposals = [Proposal([]) for _ in seqs]
+        self.catch_up_seconds = 0.0
         rows = [i for i, k in enumerate(num_tokens) if k > 0]
         if not rows:
             return proposals
         row_seqs = [seqs[i] for i in rows]
+        start = time.perf_counter()
+        if any([self.catch_up(seq) for seq in row_seqs]):
+            self.catch_up_seconds = time.perf_counter() - start
         states = [self.states[s.request_id] for s in row_seqs]
         drafts = draft_from_committed(self.backend, row_seqs, [st.num_cached for st in states],
-                                      [st.pending for st in states], [num_tokens[i] for i in rows], self.saguaro,
-                                      self.tree)
+                                      [st.features(self.backend) for st in states], [num_tokens[i] for i in rows],
+                                      self.saguaro, self.tree)
         for i, seq, st, draft in zip(rows, row_seqs, states, drafts):
             n = len(seq.token_ids)
-            st.num_cached, st.pending, st.base = n, None, n
+            st.num_cached, st.pending, st.base, st.skipped = n, None, n, False
             st.fed = len(draft.tokens) - 1 if draft.parents is None else 0
             proposals[i] = Proposal(draft.tokens, draft.q, parents=draft.parents)
         return proposals
 
     def on_verified(self, seq, num_accepted: int, aux: torch.Tensor | None) -> None:
         st = self.states[seq.request_id]
+        st.skipped |= not st.base
         if self.backend.needs_aux:
-            st.pending = self.backend.append_features(st.pending, aux)
+            st.raw.append(aux)
+            if sum(a.shape[0] for a in st.raw) >= FUSE_ROWS:
+                st.features(self.backend)
         elif st.base:
             st.num_cached = st.base + min(num_accepted, st.fed)
         st.base = 0

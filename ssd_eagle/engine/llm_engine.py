@@ -112,6 +112,7 @@ class LLMEngine:
         self.scheduler = Scheduler(max_num_seqs, max_num_batched_tokens, prefill_chunk, 1 + self.max_draft_tokens,
                                    self.target.kv.max_len, self.target.kv.bytes_per_position, kv_cache_memory)
         self.prefix_cache = PrefixCache(int(prefix_cache_memory * GIB)) if enable_prefix_caching else None
+        self._call_drafter("set_token_budget", max_num_batched_tokens)  # its lazy catch-ups' forwards
         self.requests: dict[str, Sequence] = {}
         self.stats = SpecStats()  # aggregate over all rounds (times counted once per batched round)
         self.planner = None  # a ssd_eagle.planner.Planner choosing each round's K (set by the engine factory)
@@ -326,8 +327,9 @@ class LLMEngine:
         t2 = time.perf_counter()
         self.stats.draft_time += t1 - t0
         self.stats.verify_time += t2 - t1
-        if self.planner is not None:
-            self.planner.observe_round(seqs, proposals, paths, t1 - t0, t2 - t1)
+        if self.planner is not None:  # (the drafter's catch-up on skipped rounds is learnt apart from drafting)
+            catch_up = getattr(self.drafter, "catch_up_seconds", 0.0) if self.drafter is not None else 0.0
+            self.planner.observe_round(seqs, proposals, paths, t1 - t0, t2 - t1, catch_up)
         for row, (seq, p) in enumerate(zip(seqs, proposals)):
             path = paths[row]
             k = len(path)
