@@ -285,9 +285,10 @@ def run_config(cfg: Config, args, model, tokenizer, prompts, temps: list[float],
     K = spec.num_speculative_tokens if spec else 0
     out = {}
     for temp in temps:
-        # at T = 0 every token's logprobs show it is its verification's argmax (near-tie rule)
+        # at T = 0 every token's logprobs show it is its verification's argmax (near-tie rule); AR asks for them too,
+        # so every row pays the same log-softmax per emitted token (~0.25 ms a round in float32)
         params = SamplingParams(temperature=temp, max_tokens=args.max_tokens, seed=1234,
-                                logprobs=1 if temp == 0 and cfg.mode != "ar" else None)
+                                logprobs=1 if temp == 0 else None)
         if cfg.mode == "hf":
             out[temp] = run_hf(model, assistant, prompts, params, cfg.hf, args.k)
             continue
