@@ -76,6 +76,7 @@ class Drafter(ABC):
     needs_aux_hidden: bool = False
     name: str = "drafter"
     healthy: bool = True  # False after a failure: the engine then decodes without drafts
+    kv_geometry = None  # a ssd_eagle.kv_cache.DraftKV: the draft's stores, counted against the engine's KV budget
     error: str | None = None
 
     def prefill(self, seq, aux: list[torch.Tensor] | None) -> None:

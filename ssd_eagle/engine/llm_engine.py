@@ -64,8 +64,9 @@ class LLMEngine:
         enable_prefix_caching: reuse cached keys/values (and aux states) of prompt prefixes, in blocks of 64 tokens.
         prefix_cache_memory: GiB the prefix cache may hold (and no more than the KV budget leaves; 64 MiB keeps a
             long request's RSS within 1.1x of a warm server's: scripts/bench_prefill.py rss).
-        kv_cache_memory: GiB budget of the target's KV store plus the prefix cache (None: unbounded). Admission
-            reserves prompt + max_tokens + one round per request; requests that do not fit now wait.
+        kv_cache_memory: GiB budget of the target's KV store, the drafts' (``drafter.kv_geometry``) and the prefix
+            cache (None: unbounded). Admission reserves prompt + max_tokens + one round per request in each store;
+            requests that do not fit now wait.
 
     Raises:
         ValueError: a non-positive ``max_num_batched_tokens``, ``prefill_chunk`` or ``kv_cache_memory``.
@@ -110,7 +111,8 @@ class LLMEngine:
             drafter.backend.use_fixed_shapes(False)  # --eager: the draft's steps stay dynamic too
         self._rng = random.Random(seed)
         self.scheduler = Scheduler(max_num_seqs, max_num_batched_tokens, prefill_chunk, 1 + self.max_draft_tokens,
-                                   self.target.kv.max_len, self.target.kv.bytes_per_position, kv_cache_memory)
+                                   self.target.kv.max_len, self.target.kv.bytes_per_position, kv_cache_memory,
+                                   getattr(drafter, "kv_geometry", None))
         self.prefix_cache = PrefixCache(int(prefix_cache_memory * GIB)) if enable_prefix_caching else None
         self.requests: dict[str, Sequence] = {}
         self.stats = SpecStats()  # aggregate over all rounds (times counted once per batched round)
@@ -178,9 +180,10 @@ class LLMEngine:
 
     @property
     def kv_cache_usage(self) -> tuple[int, int | None]:
-        """(bytes the target's KV store and the prefix cache hold now, the ``kv_cache_memory`` budget or None)."""
+        """(bytes the target's KV store, the drafts' stores (reserved for the live requests) and the prefix cache
+        hold now, the ``kv_cache_memory`` budget or None)."""
         cached = self.prefix_cache.nbytes if self.prefix_cache is not None else 0
-        return self.target.kv.nbytes + cached, self.scheduler.budget
+        return self.target.kv.nbytes + self.scheduler.reserved_bytes()[1] + cached, self.scheduler.budget
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
