@@ -10,6 +10,8 @@ model loads (a port in use fails at once, exit code 2). SIGTERM (or Ctrl-C) drai
 requests get 503 with ``Retry-After``, ``/health`` says ``draining`` and ``/ready`` 503, in-flight requests finish
 (up to ``--graceful-timeout`` s), then the engine and its speculator are closed and the process exits 0; when the
 timeout runs out, the remaining requests end with an error and the exit code is 1. A second signal exits at once.
+A signal while the model loads stops the load, closes what was built (an SSD speculator process is terminated)
+and exits 0; one after the load, before the server listens, drains an empty server.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import json
 import asyncio
 import logging
 import os
+import signal
 import socket
 import sys
 from typing import Literal
@@ -127,6 +130,55 @@ def bind_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
+class Interrupted(BaseException):
+    """A SIGTERM or SIGINT while the model loads (raised where the load was; a BaseException, like
+    KeyboardInterrupt, so that no `except Exception` on the way swallows it)."""
+
+
+class StartupSignals:
+    """SIGTERM and SIGINT from construction until uvicorn takes them over: inside the ``with`` block (the model
+    load) they raise :class:`Interrupted`, so the load unwinds instead of the process dying with 143 (what was
+    built is closed; a speculator process, a daemon, is terminated when the interpreter exits); after it the signal
+    is kept in ``pending`` for the server to drain on. Construct it in the main thread.
+
+    Inside :mod:`multiprocessing` (the speculator's spawn writes its pickled arguments to the child) the signal is
+    raised ``RETRY_S`` later instead (a ``SIGALRM``): a child reading a cut pickle would die with a traceback."""
+
+    RETRY_S = 0.02
+
+    def __init__(self):
+        self.loading, self.pending, self._deferred = False, None, None
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self._handle)
+        signal.signal(signal.SIGALRM, self._retry)
+
+    def _handle(self, signum, frame) -> None:
+        if not self.loading:
+            self.pending = signum
+            return
+        while frame is not None and "multiprocessing" not in frame.f_code.co_filename:
+            frame = frame.f_back
+        if frame is not None:
+            self._deferred = signum
+            signal.setitimer(signal.ITIMER_REAL, self.RETRY_S)
+            return
+        self.loading = False  # (raised once: the unwinding is not interrupted again)
+        raise Interrupted(signal.Signals(signum).name)
+
+    def _retry(self, signum, frame) -> None:
+        if self._deferred is not None:
+            self._handle(self._deferred, frame)
+
+    def __enter__(self) -> StartupSignals:
+        self.loading = True
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.loading = False
+        if self._deferred is not None:  # (not raised before the load ended: the server drains on it)
+            self.pending = self._deferred
+
+
 def _draining_server(config, async_engine, graceful_timeout: float):
     import uvicorn
 
@@ -176,13 +228,22 @@ def main(argv: list[str] | None = None) -> int:
         log.error(f"cannot listen on {args.host}:{args.port}: {err.strerror}", extra={"fields": {
             "event": "bind_failed", "host": args.host, "port": args.port, "error": str(err)}})
         return 2
+    startup, engine = StartupSignals(), None
     try:
-        config = engine_config_from_args(args)
-        engine = build_engine(config)
+        with startup:
+            config = engine_config_from_args(args)
+            engine = build_engine(config)
     except (ValueError, FileNotFoundError) as err:
         sock.close()
         log.error("could not build the engine", extra={"fields": {"event": "startup_failed", "error": str(err)}})
         return 2
+    except Interrupted as err:  # (the signal may land after build_engine returned)
+        if engine is not None:
+            engine.close()
+        sock.close()
+        log.info("exited", extra={"fields": {"event": "exited", "clean": True, "during": "startup",
+                                             "signal": str(err)}})
+        return 0
     if not _is_loopback(args.host) and not args.api_key:
         log.warning("serving on a non-loopback address without --api-key: anyone who can reach it can use it",
                     extra={"fields": {"event": "no_api_key", "host": args.host}})
@@ -197,6 +258,8 @@ def main(argv: list[str] | None = None) -> int:
                                           "max_model_len": engine.max_model_len, "max_num_seqs": engine.max_num_seqs,
                                           "auth": bool(args.api_key),
                                           **describe(engine.target.device, engine.target.dtype)}})
+    if startup.pending is not None:  # a signal since the load: start, drain (nothing is in flight) and exit
+        server.handle_exit(startup.pending, None)
     try:
         server.run(sockets=[sock])
     finally:  # the engine thread has stopped: releasing the drafter (e.g. SSD's speculator process) is safe now
