@@ -177,3 +177,35 @@ def test_drafts_prefill_chunk_by_chunk_to_the_same_proposals(kind, byte_tokenize
             assert sum(n - done for _, n, done in adds) == 250 and sum(done for *_, done in adds) == 2
             assert len(adds) == (2 if budget == 512 else len(sizes))
     assert runs[24] == runs[512] and any(any(p) for p in runs[24].values())
+
+
+@pytest.mark.parametrize("kind", DRAFTED)
+def test_a_drafter_catches_up_on_a_reused_prefix_within_the_token_budget(kind, byte_tokenizer):
+    target = make_target()
+    first, tail = long_prompts(seed=6, lengths=(330, 20))
+    second = first[:320] + tail  # its first 320 positions (5 blocks) come from the prefix cache
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    runs = {}
+    for budget in (512, 16):
+        engine = drafted_engine(kind, target, byte_tokenizer, max_num_batched_tokens=budget)
+        LLM(engine=engine).generate([first], params)
+        engine.add_request("short", [5, 6, 7], SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True))
+        engine.step()
+        engine.step()
+        sizes, proposals = record_prefills(engine), record_proposals(engine)
+        engine.add_request("second", second, params)
+        seq, short = engine.requests["second"], engine.requests["short"]
+        while seq.num_output_tokens == 0:
+            before_out, before = short.num_output_tokens, len(sizes)
+            engine.step()
+            assert short.num_output_tokens > before_out, "the running request lost its round"
+            if budget == 16:  # the draft prefills at most what the step's budget leaves after the round
+                assert sum(sizes[before:]) <= budget - (1 + K)
+        assert seq.num_reused == 320 and sum(sizes) == len(second)  # every position drafted once
+        assert budget == 16 or sorted(sizes) == [20, 320]  # the reused prefix, then the rest
+        while engine.has_unfinished():
+            engine.step()
+        assert seq.output_token_ids == reference_greedy(target, second, 10, eos=set())
+        assert short.output_token_ids == reference_greedy(target, [5, 6, 7], 200, eos=set())
+        runs[budget] = proposals["second"]
+    assert runs[16] == runs[512] and any(runs[16])

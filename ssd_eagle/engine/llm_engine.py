@@ -33,7 +33,7 @@ from ssd_eagle.engine.scheduler import GIB, Scheduler
 from ssd_eagle.engine.sequence import RequestOutput, Sequence, SequenceStatus, TokenLogprob
 from ssd_eagle.kv_cache import ForwardBatch
 from ssd_eagle.model_runner import ModelRunner, RunnerOutput
-from ssd_eagle.prefix_cache import PrefixCache
+from ssd_eagle.prefix_cache import PrefixCache, catch_up
 from ssd_eagle.sampling import SamplingTensors, logits_to_probs, sample
 from ssd_eagle.sampling_params import SamplingParams
 from ssd_eagle.stats import SpecStats
@@ -212,11 +212,9 @@ class LLMEngine:
         if not admitted:
             return
         self._fit_kv()
-        if self._reuses_prefixes:
-            for seq in admitted:  # at least the last prompt token is prefilled: its logits give the first token
-                n, aux = self.prefix_cache.load(seq.token_ids[: seq.num_prompt_tokens - 1], self.target.kv, seq.slot)
-                seq.num_cached = seq.num_reused = n
-                seq.prompt_aux = [aux] if self.needs_aux and n else []
+        if self._reuses_prefixes:  # (a drafter then catches up on the reused prefix chunk by chunk: _prefill)
+            for seq in admitted:
+                self.prefix_cache.reuse(seq, self.target.kv, self.needs_aux, self.drafter)
 
     @property
     def _local_target(self) -> bool:
@@ -262,6 +260,7 @@ class LLMEngine:
             return []
         start = time.perf_counter()
         prefilled = [seq for seq, _ in chunks]
+        chunks = [c for c in chunks if not catch_up(*c, self._call_drafter)]  # (the drafter's, over a reused prefix)
         last_logits: dict[int, torch.Tensor] = {}
         max_len = self.target.kv.max_len
         while chunks:  # pad tokens of a short row write past its end: a row too close to max_len runs alone

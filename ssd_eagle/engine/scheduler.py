@@ -16,7 +16,9 @@ Each step has a token budget, ``max_num_batched_tokens``: every decoding request
 admission order, at most ``prefill_chunk`` tokens each, so a long prompt is prefilled a chunk per step while the
 running requests keep their rounds. A request whose prompt completes joins that step's round, so a step may pass
 the budget by that request's round. The drafter prefills the same chunks after the target (an SD draft's forward,
-an SSD speculator's ADD message), so the budget bounds a step's draft prefill too, and the drafts' stores follow
+an SSD speculator's ADD message), so the budget bounds a step's draft prefill too; a prompt prefix reused from the
+prefix cache is not prefilled by the target, but the drafter catches up on it in chunks of the same budget
+(:func:`~ssd_eagle.prefix_cache.catch_up`) before the rest of the prompt is prefilled. The drafts' stores follow
 the same :meth:`Scheduler.store_shape` (:meth:`~ssd_eagle.kv_cache.KVCache.fit`).
 """
 
@@ -169,7 +171,8 @@ class Scheduler:
                 break
             if not seq.prefilling:
                 continue
-            n = min(seq.num_prompt_tokens - seq.num_cached, self.prefill_chunk, budget)
+            end = seq.num_reused if seq.num_cached < seq.num_reused else seq.num_prompt_tokens  # (a drafter's catch-up)
+            n = min(end - seq.num_cached, self.prefill_chunk, budget)
             chunks.append((seq, n))
             budget -= n + (self.tokens_per_round if n == seq.num_prompt_tokens - seq.num_cached else 0)
         return chunks
