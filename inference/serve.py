@@ -23,13 +23,13 @@ import json
 import asyncio
 import logging
 import os
-import signal
 import socket
 import sys
 from typing import Literal
 
 from pydantic import Field
 
+from inference.startup import Interrupted, StartupSignals
 from ssd_eagle.config import ENGINE_FLAGS, add_engine_args, engine_config_from_args
 from ssd_eagle.platform import describe
 from ssd_eagle.schema import ConfigModel, add_flags, flags_for, parse_flags
@@ -130,55 +130,6 @@ def bind_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-class Interrupted(BaseException):
-    """A SIGTERM or SIGINT while the model loads (raised where the load was; a BaseException, like
-    KeyboardInterrupt, so that no `except Exception` on the way swallows it)."""
-
-
-class StartupSignals:
-    """SIGTERM and SIGINT from construction until uvicorn takes them over: inside the ``with`` block (the model
-    load) they raise :class:`Interrupted`, so the load unwinds instead of the process dying with 143 (what was
-    built is closed; a speculator process, a daemon, is terminated when the interpreter exits); after it the signal
-    is kept in ``pending`` for the server to drain on. Construct it in the main thread.
-
-    Inside :mod:`multiprocessing` (the speculator's spawn writes its pickled arguments to the child) the signal is
-    raised ``RETRY_S`` later instead (a ``SIGALRM``): a child reading a cut pickle would die with a traceback."""
-
-    RETRY_S = 0.02
-
-    def __init__(self):
-        self.loading, self.pending, self._deferred = False, None, None
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, self._handle)
-        signal.signal(signal.SIGALRM, self._retry)
-
-    def _handle(self, signum, frame) -> None:
-        if not self.loading:
-            self.pending = signum
-            return
-        while frame is not None and "multiprocessing" not in frame.f_code.co_filename:
-            frame = frame.f_back
-        if frame is not None:
-            self._deferred = signum
-            signal.setitimer(signal.ITIMER_REAL, self.RETRY_S)
-            return
-        self.loading = False  # (raised once: the unwinding is not interrupted again)
-        raise Interrupted(signal.Signals(signum).name)
-
-    def _retry(self, signum, frame) -> None:
-        if self._deferred is not None:
-            self._handle(self._deferred, frame)
-
-    def __enter__(self) -> StartupSignals:
-        self.loading = True
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.loading = False
-        if self._deferred is not None:  # (not raised before the load ended: the server drains on it)
-            self.pending = self._deferred
-
-
 def _draining_server(config, async_engine, graceful_timeout: float):
     import uvicorn
 
@@ -216,21 +167,21 @@ def _draining_server(config, async_engine, graceful_timeout: float):
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     configure_logging(args.log_level)
-    import uvicorn
-
-    from ssd_eagle.engine.llm import build_engine
-
-    from inference.api_server import build_app
-
-    try:
-        sock = bind_socket(args.host, args.port)
-    except OSError as err:
-        log.error(f"cannot listen on {args.host}:{args.port}: {err.strerror}", extra={"fields": {
-            "event": "bind_failed", "host": args.host, "port": args.port, "error": str(err)}})
-        return 2
-    startup, engine = StartupSignals(), None
+    startup, engine, sock = StartupSignals(log), None, None  # (from here a signal ends the startup cleanly)
     try:
         with startup:
+            import uvicorn
+
+            from ssd_eagle.engine.llm import build_engine
+
+            from inference.api_server import build_app
+
+            try:
+                sock = bind_socket(args.host, args.port)
+            except OSError as err:
+                log.error(f"cannot listen on {args.host}:{args.port}: {err.strerror}", extra={"fields": {
+                    "event": "bind_failed", "host": args.host, "port": args.port, "error": str(err)}})
+                return 2
             config = engine_config_from_args(args)
             engine = build_engine(config)
     except (ValueError, FileNotFoundError) as err:
@@ -240,9 +191,11 @@ def main(argv: list[str] | None = None) -> int:
     except Interrupted as err:  # (the signal may land after build_engine returned)
         if engine is not None:
             engine.close()
-        sock.close()
+        if sock is not None:
+            sock.close()
         log.info("exited", extra={"fields": {"event": "exited", "clean": True, "during": "startup",
                                              "signal": str(err)}})
+        startup.unwound.set()
         return 0
     if not _is_loopback(args.host) and not args.api_key:
         log.warning("serving on a non-loopback address without --api-key: anyone who can reach it can use it",
