@@ -209,3 +209,51 @@ def test_a_drafter_catches_up_on_a_reused_prefix_within_the_token_budget(kind, b
         assert short.output_token_ids == reference_greedy(target, [5, 6, 7], 200, eos=set())
         runs[budget] = proposals["second"]
     assert runs[16] == runs[512] and any(runs[16])
+
+
+def test_two_long_prompts_share_one_step_token_budget(byte_tokenizer):
+    target = make_target()
+    budget = 40
+    engine = build_engine("ngram", target, byte_tokenizer, max_num_seqs=4, max_num_batched_tokens=budget,
+                          enable_prefix_caching=False)
+    forwarded = []
+    forward = engine.target.forward
+
+    def recording(batch, **kwargs):
+        forwarded[-1] += sum(batch.num_tokens)
+        return forward(batch, **kwargs)
+
+    engine.target.forward = recording
+    for rid, prompt in (("a", [5, 6, 7]), ("b", [9, 8, 7, 6])):
+        engine.add_request(rid, prompt, SamplingParams(temperature=0.0, max_tokens=150, ignore_eos=True))
+    forwarded.append(0)
+    engine.step()
+    prompts = long_prompts(seed=7, lengths=(200, 210))
+    for rid, prompt in zip(("long0", "long1"), prompts):
+        engine.add_request(rid, prompt, SamplingParams(temperature=0.0, max_tokens=4))
+    while "long1" in engine.requests:
+        forwarded.append(0)
+        engine.step()
+        # every round and every prompt chunk of the step within the budget, but the round of a prompt completed in
+        # the step (it joins that step's round)
+        assert forwarded[-1] <= budget + (1 + K)
+    assert len(forwarded) > (200 + 210) // budget
+
+
+def test_the_store_grows_once_for_a_long_prompt_not_per_chunk(byte_tokenizer):
+    target = make_target()
+    engine = LLMEngine(target, byte_tokenizer, max_num_seqs=2, max_model_len=2048, max_num_batched_tokens=64,
+                       enable_prefix_caching=False)
+    kv, capacities = engine.target.kv, []
+    resize = kv.resize
+
+    def recording(num_rows, capacity):
+        if capacity > kv.capacity:
+            capacities.append(capacity)
+        return resize(num_rows, capacity)
+
+    kv.resize = recording
+    prompt = long_prompts(seed=8, lengths=(1400,))[0]
+    out = LLM(engine=engine).generate([prompt], SamplingParams(temperature=0.0, max_tokens=4))[0]
+    assert out.token_ids == reference_greedy(target, prompt, 4)
+    assert len(capacities) == 1 and capacities[0] >= 1400  # one growth (a copy of the whole store), not one per chunk

@@ -85,6 +85,10 @@ class Scheduler:
         capacity = max((self.reservation(s) for s in self.running), default=POSITION_GRANULARITY)
         return rows, min(capacity, self.max_len)
 
+    def prefill_positions(self) -> int:
+        """Positions the prompts being prefilled will fill: the longest one's and a round (0: none)."""
+        return max((s.num_prompt_tokens + self.tokens_per_round for s in self.running if s.prefilling), default=0)
+
     def reserved_bytes(self, extra: Sequence | None = None, slot: int = -1) -> tuple[int, int]:
         """(target, drafts): bytes the target's store and the drafts' stores reserve for the running requests, and
         ``extra`` in ``slot`` when given: rows up to the highest slot, each store's capacity its longest
@@ -98,11 +102,14 @@ class Scheduler:
 
     def fit(self, kv: KVCache, prefixes: PrefixCache | None, resize: bool = True) -> tuple[int, int]:
         """Resize the target's store ``kv`` to the running requests (unless ``resize`` is False: CUDA graphs pin
-        its addresses; :meth:`KVCache.fit`) and trim ``prefixes`` to what the KV budget leaves. Returns the
+        its addresses; :meth:`KVCache.fit`), growing it at once to the :meth:`prefill_positions` (a long prompt's
+        chunks would each regrow, so copy, the whole store), and trim ``prefixes`` to what the KV budget leaves.
+        Returns the
         :meth:`store_shape` (the drafts' stores follow it too)."""
         rows, capacity = self.store_shape()
-        if resize:
+        if resize:  # a prompt being prefilled fills its length: the store grows to it once, not a chunk at a time
             kv.fit(rows, capacity)
+            kv.reserve(min(self.prefill_positions(), capacity))
         if prefixes is not None and self.budget is not None:
             prefixes.make_room(self.budget - sum(self.reserved_bytes()))
         return rows, capacity
