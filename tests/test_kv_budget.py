@@ -24,6 +24,17 @@ def run(engine, usage: list | None = None) -> None:
             usage.append(engine.kv_cache_usage[0])
 
 
+def run_within(engine, budget: int) -> dict[str, list[int]]:
+    """Run to the end, checking the KV usage against ``budget`` after every step; the outputs' token ids."""
+    outputs = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                outputs[out.request_id] = out.token_ids
+        assert engine.kv_cache_usage[0] <= budget
+    return outputs
+
+
 def test_the_store_shrinks_back_after_a_long_request(byte_tokenizer):
     target = make_tiny_llama(seed=4)
     engine = build_engine("ar", target, byte_tokenizer, max_num_seqs=4, enable_prefix_caching=False)
@@ -70,12 +81,7 @@ def test_requests_wait_for_room_and_the_budget_holds(kind, byte_tokenizer):
     # free, and "3" (first come, first served) waits behind it
     assert [s.request_id for s in engine.running] == ["0", "1"]
     assert [s.request_id for s in engine.waiting] == ["2", "3"]
-    outputs = {}
-    while engine.has_unfinished():
-        for out in engine.step():
-            if out.finished:
-                outputs[out.request_id] = out.token_ids
-        assert engine.kv_cache_usage[0] <= budget
+    outputs = run_within(engine, budget)
     assert engine.prefix_cache.nbytes > 0  # the prefix cache filled what live requests left
     for i, (prompt, p) in enumerate(zip(prompts, params)):
         assert outputs[str(i)] == reference_greedy(target, prompt, p.max_tokens, eos=set())
@@ -184,12 +190,7 @@ def test_the_drafts_kv_counts_against_the_budget(kind, byte_tokenizer):
     assert [s.request_id for s in engine.running] == ["0"] and [s.request_id for s in engine.waiting] == ["1"]
     # /metrics' usage counts the draft's store as reserved (the speculator's lies in its process)
     assert engine.kv_cache_usage[0] == engine.target.kv.nbytes + draft_bytes
-    outputs = {}
-    while engine.has_unfinished():
-        for out in engine.step():
-            if out.finished:
-                outputs[out.request_id] = out.token_ids
-        assert engine.kv_cache_usage[0] <= budget
+    outputs = run_within(engine, budget)
     for i, p in enumerate(prompts):
         assert outputs[str(i)] == reference_greedy(target, p, max_tokens, eos=set())
 
