@@ -125,8 +125,8 @@ class PrefixCache:
         token) into its slot: ``seq.num_reused`` is its length and ``seq.prompt_aux`` its aux states (when
         ``needs_aux``). A ``drafter`` with a ``prefill`` of its own (a draft store: the drafts have no prefix cache)
         must first catch up on it: ``seq.num_cached`` then stays 0 and the engine's prompt chunks over the reused
-        positions go to the drafter alone (:func:`catch_up`), within the step's token budget like any prefill;
-        otherwise ``seq.num_cached`` is the reused length at once."""
+        positions go to the drafter alone (:func:`feed_reused_prefix`), within the step's token budget like any
+        prefill; otherwise ``seq.num_cached`` is the reused length at once."""
         n, aux = self.load(seq.token_ids[: seq.num_prompt_tokens - 1], kv, seq.slot)
         drafts = drafter is not None and drafter.healthy and type(drafter).prefill is not Drafter.prefill
         seq.num_reused, seq.num_cached = n, 0 if drafts else n
@@ -159,7 +159,7 @@ class PrefixCache:
             self.blocks.move_to_end(key)
 
 
-def catch_up(seq, n: int, call_drafter) -> bool:
+def feed_reused_prefix(seq, n: int, call_drafter) -> bool:
     """When ``seq``'s drafter is catching up on its reused prefix (:meth:`PrefixCache.reuse`), hand it the next
     ``n`` positions (``call_drafter("prefill", seq, aux)``, the engine's guarded call; the target holds them
     already) and return True; False for an ordinary prompt chunk (``seq.num_cached >= seq.num_reused``)."""

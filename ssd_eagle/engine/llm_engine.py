@@ -33,7 +33,7 @@ from ssd_eagle.engine.scheduler import GIB, Scheduler
 from ssd_eagle.engine.sequence import RequestOutput, Sequence, SequenceStatus, TokenLogprob
 from ssd_eagle.kv_cache import ForwardBatch
 from ssd_eagle.model_runner import ModelRunner, RunnerOutput
-from ssd_eagle.prefix_cache import PrefixCache, catch_up
+from ssd_eagle.prefix_cache import PrefixCache, feed_reused_prefix
 from ssd_eagle.sampling import SamplingTensors, logits_to_probs, sample
 from ssd_eagle.sampling_params import SamplingParams
 from ssd_eagle.stats import SpecStats
@@ -260,7 +260,7 @@ class LLMEngine:
             return []
         start = time.perf_counter()
         prefilled = [seq for seq, _ in chunks]
-        chunks = [c for c in chunks if not catch_up(*c, self._call_drafter)]  # (the drafter's, over a reused prefix)
+        chunks = [c for c in chunks if not feed_reused_prefix(*c, self._call_drafter)]  # (the drafter's catch-up)
         last_logits: dict[int, torch.Tensor] = {}
         max_len = self.target.kv.max_len
         while chunks:  # pad tokens of a short row write past its end: a row too close to max_len runs alone

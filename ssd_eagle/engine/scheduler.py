@@ -18,8 +18,8 @@ running requests keep their rounds. A request whose prompt completes joins that 
 the budget by that request's round. The drafter prefills the same chunks after the target (an SD draft's forward,
 an SSD speculator's ADD message), so the budget bounds a step's draft prefill too; a prompt prefix reused from the
 prefix cache is not prefilled by the target, but the drafter catches up on it in chunks of the same budget
-(:func:`~ssd_eagle.prefix_cache.catch_up`) before the rest of the prompt is prefilled. The drafts' stores follow
-the same :meth:`Scheduler.store_shape` (:meth:`~ssd_eagle.kv_cache.KVCache.fit`).
+(:func:`~ssd_eagle.prefix_cache.feed_reused_prefix`) before the rest of the prompt is prefilled. The drafts' stores
+follow the same :meth:`Scheduler.store_shape` (:meth:`~ssd_eagle.kv_cache.KVCache.fit`).
 """
 
 from __future__ import annotations
