@@ -18,7 +18,8 @@ requests.
   ``spec_probes_total`` (counters): request rounds planned at 0, and the probes of requests whose speculation was off.
   All three stay at 0 without a planner.
 - ``queue_depth`` (gauge): requests accepted but not yet decoding; ``running_requests`` (gauge): decoding.
-- ``kv_cache_usage_bytes`` (gauge): bytes the target's KV store and the prefix cache hold, after the latest step;
+- ``kv_cache_usage_bytes`` (gauge): bytes the target's KV store, the drafts' stores (as reserved for the live
+  requests, the SSD speculator's included) and the prefix cache hold, after the latest step;
   ``kv_cache_budget_bytes`` (gauge): the ``kv_cache_memory`` budget (NaN: unbounded).
 - ``drafter_healthy`` (gauge): 1, or 0 while the drafter reports unhealthy; ``engine_step_errors_total``;
   ``speculator_restarts_total`` and ``speculator_restart_failures_total`` (:mod:`inference.supervisor`).
@@ -101,8 +102,8 @@ class ServerMetrics:
         self.running = Gauge(p + "running_requests", "Requests being decoded", registry=r)
         self.drafter_healthy = Gauge(p + "drafter_healthy", "1 while the drafter is healthy, else 0", registry=r)
         self.drafter_healthy.set(1)
-        self.kv_usage = Gauge(p + "kv_cache_usage_bytes", "Bytes held by the target's KV store and the prefix cache",
-                              registry=r)
+        self.kv_usage = Gauge(p + "kv_cache_usage_bytes",
+                              "Bytes held by the target's and the drafts' KV stores and the prefix cache", registry=r)
         self.kv_budget = Gauge(p + "kv_cache_budget_bytes", "The KV cache budget in bytes (NaN: unbounded)",
                                registry=r)
         self.kv_budget.set(math.nan)

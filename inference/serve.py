@@ -10,6 +10,8 @@ model loads (a port in use fails at once, exit code 2). SIGTERM (or Ctrl-C) drai
 requests get 503 with ``Retry-After``, ``/health`` says ``draining`` and ``/ready`` 503, in-flight requests finish
 (up to ``--graceful-timeout`` s), then the engine and its speculator are closed and the process exits 0; when the
 timeout runs out, the remaining requests end with an error and the exit code is 1. A second signal exits at once.
+A signal while the model loads stops the load, closes what was built (an SSD speculator process is terminated)
+and exits 0; one after the load, before the server listens, drains an empty server.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from typing import Literal
 
 from pydantic import Field
 
+from inference.startup import Interrupted, StartupSignals
 from ssd_eagle.config import ENGINE_FLAGS, add_engine_args, engine_config_from_args
 from ssd_eagle.platform import describe
 from ssd_eagle.schema import ConfigModel, add_flags, flags_for, parse_flags
@@ -164,25 +167,36 @@ def _draining_server(config, async_engine, graceful_timeout: float):
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     configure_logging(args.log_level)
-    import uvicorn
-
-    from ssd_eagle.engine.llm import build_engine
-
-    from inference.api_server import build_app
-
+    startup, engine, sock = StartupSignals(log), None, None  # (from here a signal ends the startup cleanly)
     try:
-        sock = bind_socket(args.host, args.port)
-    except OSError as err:
-        log.error(f"cannot listen on {args.host}:{args.port}: {err.strerror}", extra={"fields": {
-            "event": "bind_failed", "host": args.host, "port": args.port, "error": str(err)}})
-        return 2
-    try:
-        config = engine_config_from_args(args)
-        engine = build_engine(config)
+        with startup:
+            import uvicorn
+
+            from ssd_eagle.engine.llm import build_engine
+
+            from inference.api_server import build_app
+
+            try:
+                sock = bind_socket(args.host, args.port)
+            except OSError as err:
+                log.error(f"cannot listen on {args.host}:{args.port}: {err.strerror}", extra={"fields": {
+                    "event": "bind_failed", "host": args.host, "port": args.port, "error": str(err)}})
+                return 2
+            config = engine_config_from_args(args)
+            engine = build_engine(config)
     except (ValueError, FileNotFoundError) as err:
         sock.close()
         log.error("could not build the engine", extra={"fields": {"event": "startup_failed", "error": str(err)}})
         return 2
+    except Interrupted as err:  # (the signal may land after build_engine returned)
+        if engine is not None:
+            engine.close()
+        if sock is not None:
+            sock.close()
+        log.info("exited", extra={"fields": {"event": "exited", "clean": True, "during": "startup",
+                                             "signal": str(err)}})
+        startup.unwound.set()
+        return 0
     if not _is_loopback(args.host) and not args.api_key:
         log.warning("serving on a non-loopback address without --api-key: anyone who can reach it can use it",
                     extra={"fields": {"event": "no_api_key", "host": args.host}})
@@ -197,6 +211,8 @@ def main(argv: list[str] | None = None) -> int:
                                           "max_model_len": engine.max_model_len, "max_num_seqs": engine.max_num_seqs,
                                           "auth": bool(args.api_key),
                                           **describe(engine.target.device, engine.target.dtype)}})
+    if startup.pending is not None:  # a signal since the load: start, drain (nothing is in flight) and exit
+        server.handle_exit(startup.pending, None)
     try:
         server.run(sockets=[sock])
     finally:  # the engine thread has stopped: releasing the drafter (e.g. SSD's speculator process) is safe now

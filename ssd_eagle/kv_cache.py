@@ -22,6 +22,27 @@ import torch
 TRIM_BYTES = 64 * 2**20  # a CPU store shrinking by this much hands its freed heap back to the OS
 
 
+def bytes_per_position(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+    """Bytes one position of one slot takes in a store of this geometry (keys and values of every layer)."""
+    return 2 * num_layers * num_kv_heads * head_dim * dtype.itemsize
+
+
+@dataclass(frozen=True)
+class DraftKV:
+    """A draft's KV stores as the engine's KV budget counts them (:class:`~ssd_eagle.engine.scheduler.Scheduler`).
+
+    Attributes:
+        bytes_per_position: bytes of one position of one slot, keys and values of every draft layer (an EAGLE-3
+            head: one layer; a draft LM: all of its layers), summed over the stores the draft keeps.
+        slack: positions a request's draft store holds past its prompt + max_tokens (an SSD speculator: a round's
+            branches, ``SpeculativeConfig.kv_slack("speculator")``; an SD draft following the target's store: 0,
+            the target's reservation already has one round).
+    """
+
+    bytes_per_position: int
+    slack: int = 0
+
+
 def trim_host_memory() -> None:
     """Return the freed heap to the OS (glibc's ``malloc_trim``; nothing where the C library has none). Freed CPU
     tensors otherwise stay in the process's heap, and its RSS would keep the peak of the longest request."""
@@ -71,7 +92,7 @@ class KVCache:
     def bytes_per_position(self) -> int:
         """Bytes one position of one slot takes (keys and values of every layer)."""
         k = self.keys[0]
-        return 2 * self.num_layers * k.shape[1] * k.shape[3] * k.element_size()
+        return bytes_per_position(self.num_layers, k.shape[1], k.shape[3], k.dtype)
 
     @property
     def nbytes(self) -> int:

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ssd_eagle.drafters.base import Drafter
 from ssd_eagle.kv_cache import KVCache
 
 
@@ -119,6 +120,18 @@ class PrefixCache:
         self._refresh([key for key in keys if key in self.blocks])
         self.evict(self.bound)
 
+    def reuse(self, seq, kv: KVCache, needs_aux: bool, drafter=None) -> None:
+        """Copy the longest cached prefix of ``seq``'s prompt but its last token (whose logits give the first output
+        token) into its slot: ``seq.num_reused`` is its length and ``seq.prompt_aux`` its aux states (when
+        ``needs_aux``). A ``drafter`` with a ``prefill`` of its own (a draft store: the drafts have no prefix cache)
+        must first catch up on it: ``seq.num_cached`` then stays 0 and the engine's prompt chunks over the reused
+        positions go to the drafter alone (:func:`feed_reused_prefix`), within the step's token budget like any
+        prefill; otherwise ``seq.num_cached`` is the reused length at once."""
+        n, aux = self.load(seq.token_ids[: seq.num_prompt_tokens - 1], kv, seq.slot)
+        drafts = drafter is not None and drafter.healthy and type(drafter).prefill is not Drafter.prefill
+        seq.num_reused, seq.num_cached = n, 0 if drafts else n
+        seq.prompt_aux = [aux] if needs_aux and n else []
+
     def save_sequence(self, seq, kv: KVCache, needs_aux: bool) -> None:
         """Offer the committed tokens of ``seq`` (an engine :class:`~ssd_eagle.engine.sequence.Sequence` in cache
         slot ``seq.slot`` of ``kv``; the prompt only when ``needs_aux``: the aux states of an output are not
@@ -144,3 +157,14 @@ class PrefixCache:
     def _refresh(self, chain: list[bytes]) -> None:
         for key in reversed(chain):  # the head ends most recent: eviction takes tails first
             self.blocks.move_to_end(key)
+
+
+def feed_reused_prefix(seq, n: int, call_drafter) -> bool:
+    """When ``seq``'s drafter is catching up on its reused prefix (:meth:`PrefixCache.reuse`), hand it the next
+    ``n`` positions (``call_drafter("prefill", seq, aux)``, the engine's guarded call; the target holds them
+    already) and return True; False for an ordinary prompt chunk (``seq.num_cached >= seq.num_reused``)."""
+    if seq.num_cached >= seq.num_reused:
+        return False
+    seq.num_cached += n
+    call_drafter("prefill", seq, [seq.prompt_aux[0][: seq.num_cached]] if seq.prompt_aux else None)
+    return True

@@ -177,3 +177,83 @@ def test_drafts_prefill_chunk_by_chunk_to_the_same_proposals(kind, byte_tokenize
             assert sum(n - done for _, n, done in adds) == 250 and sum(done for *_, done in adds) == 2
             assert len(adds) == (2 if budget == 512 else len(sizes))
     assert runs[24] == runs[512] and any(any(p) for p in runs[24].values())
+
+
+@pytest.mark.parametrize("kind", DRAFTED)
+def test_a_drafter_catches_up_on_a_reused_prefix_within_the_token_budget(kind, byte_tokenizer):
+    target = make_target()
+    first, tail = long_prompts(seed=6, lengths=(330, 20))
+    second = first[:320] + tail  # its first 320 positions (5 blocks) come from the prefix cache
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    runs = {}
+    for budget in (512, 16):
+        engine = drafted_engine(kind, target, byte_tokenizer, max_num_batched_tokens=budget)
+        LLM(engine=engine).generate([first], params)
+        engine.add_request("short", [5, 6, 7], SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True))
+        engine.step()
+        engine.step()
+        sizes, proposals = record_prefills(engine), record_proposals(engine)
+        engine.add_request("second", second, params)
+        seq, short = engine.requests["second"], engine.requests["short"]
+        while seq.num_output_tokens == 0:
+            before_out, before = short.num_output_tokens, len(sizes)
+            engine.step()
+            assert short.num_output_tokens > before_out, "the running request lost its round"
+            if budget == 16:  # the draft prefills at most what the step's budget leaves after the round
+                assert sum(sizes[before:]) <= budget - (1 + K)
+        assert seq.num_reused == 320 and sum(sizes) == len(second)  # every position drafted once
+        assert budget == 16 or sorted(sizes) == [20, 320]  # the reused prefix, then the rest
+        while engine.has_unfinished():
+            engine.step()
+        assert seq.output_token_ids == reference_greedy(target, second, 10, eos=set())
+        assert short.output_token_ids == reference_greedy(target, [5, 6, 7], 200, eos=set())
+        runs[budget] = proposals["second"]
+    assert runs[16] == runs[512] and any(runs[16])
+
+
+def test_two_long_prompts_share_one_step_token_budget(byte_tokenizer):
+    target = make_target()
+    budget = 40
+    engine = build_engine("ngram", target, byte_tokenizer, max_num_seqs=4, max_num_batched_tokens=budget,
+                          enable_prefix_caching=False)
+    forwarded = []
+    forward = engine.target.forward
+
+    def recording(batch, **kwargs):
+        forwarded[-1] += sum(batch.num_tokens)
+        return forward(batch, **kwargs)
+
+    engine.target.forward = recording
+    for rid, prompt in (("a", [5, 6, 7]), ("b", [9, 8, 7, 6])):
+        engine.add_request(rid, prompt, SamplingParams(temperature=0.0, max_tokens=150, ignore_eos=True))
+    forwarded.append(0)
+    engine.step()
+    prompts = long_prompts(seed=7, lengths=(200, 210))
+    for rid, prompt in zip(("long0", "long1"), prompts):
+        engine.add_request(rid, prompt, SamplingParams(temperature=0.0, max_tokens=4))
+    while "long1" in engine.requests:
+        forwarded.append(0)
+        engine.step()
+        # every round and every prompt chunk of the step within the budget, but the round of a prompt completed in
+        # the step (it joins that step's round)
+        assert forwarded[-1] <= budget + (1 + K)
+    assert len(forwarded) > (200 + 210) // budget
+
+
+def test_the_store_grows_once_for_a_long_prompt_not_per_chunk(byte_tokenizer):
+    target = make_target()
+    engine = LLMEngine(target, byte_tokenizer, max_num_seqs=2, max_model_len=2048, max_num_batched_tokens=64,
+                       enable_prefix_caching=False)
+    kv, capacities = engine.target.kv, []
+    resize = kv.resize
+
+    def recording(num_rows, capacity):
+        if capacity > kv.capacity:
+            capacities.append(capacity)
+        return resize(num_rows, capacity)
+
+    kv.resize = recording
+    prompt = long_prompts(seed=8, lengths=(1400,))[0]
+    out = LLM(engine=engine).generate([prompt], SamplingParams(temperature=0.0, max_tokens=4))[0]
+    assert out.token_ids == reference_greedy(target, prompt, 4)
+    assert len(capacities) == 1 and capacities[0] >= 1400  # one growth (a copy of the whole store), not one per chunk

@@ -24,6 +24,17 @@ def run(engine, usage: list | None = None) -> None:
             usage.append(engine.kv_cache_usage[0])
 
 
+def run_within(engine, budget: int) -> dict[str, list[int]]:
+    """Run to the end, checking the KV usage against ``budget`` after every step; the outputs' token ids."""
+    outputs = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                outputs[out.request_id] = out.token_ids
+        assert engine.kv_cache_usage[0] <= budget
+    return outputs
+
+
 def test_the_store_shrinks_back_after_a_long_request(byte_tokenizer):
     target = make_tiny_llama(seed=4)
     engine = build_engine("ar", target, byte_tokenizer, max_num_seqs=4, enable_prefix_caching=False)
@@ -70,12 +81,7 @@ def test_requests_wait_for_room_and_the_budget_holds(kind, byte_tokenizer):
     # free, and "3" (first come, first served) waits behind it
     assert [s.request_id for s in engine.running] == ["0", "1"]
     assert [s.request_id for s in engine.waiting] == ["2", "3"]
-    outputs = {}
-    while engine.has_unfinished():
-        for out in engine.step():
-            if out.finished:
-                outputs[out.request_id] = out.token_ids
-        assert engine.kv_cache_usage[0] <= budget
+    outputs = run_within(engine, budget)
     assert engine.prefix_cache.nbytes > 0  # the prefix cache filled what live requests left
     for i, (prompt, p) in enumerate(zip(prompts, params)):
         assert outputs[str(i)] == reference_greedy(target, prompt, p.max_tokens, eos=set())
@@ -151,3 +157,70 @@ def test_a_save_keeps_within_the_room_the_budget_leaves():
     assert len(cache) == 0
     cache.save(list(range(256)), kv, 0, None)
     assert len(cache) == 0
+
+
+def reserved(positions: int) -> int:
+    return -(-positions // 256) * 256
+
+
+@pytest.mark.parametrize("kind", ["draft", "eagle3", "ssd"])
+def test_the_drafts_kv_counts_against_the_budget(kind, byte_tokenizer):
+    target = make_tiny_llama(seed=4)
+    probe = build_engine(kind, target, byte_tokenizer)
+    geometry = probe.drafter.kv_geometry
+    store = (probe.drafter.speculator.speculator if kind == "ssd" else probe.drafter).backend.kv  # (SSD: in line)
+    assert geometry.bytes_per_position == store.bytes_per_position
+    assert (geometry.slack > 0) == (kind == "ssd")  # (an SD draft's store follows the target's)
+    prompt, max_tokens = 200, 300  # the target's store reserves 512 positions, the draft's as many plus its slack
+    positions = min(reserved(prompt + max_tokens + max(1 + 4, geometry.slack)),
+                    probe.target.kv.max_len + geometry.slack)
+    draft_bytes = positions * geometry.bytes_per_position
+    # the target's 512 positions alone would fit: with the draft's they never do
+    engine = build_engine(kind, target, byte_tokenizer, kv_cache_memory=512 * POSITION / GIB)
+    with pytest.raises(ValueError, match="max_tokens.*drafts.*kv_cache_memory"):
+        engine.add_request("never", [1] * prompt, SamplingParams(max_tokens=max_tokens))
+    # room for two requests' target stores but one draft store: the second waits
+    budget = 2 * 512 * POSITION + draft_bytes
+    engine = build_engine(kind, target, byte_tokenizer, kv_cache_memory=budget / GIB, enable_prefix_caching=False)
+    prompts = long_prompts(seed=5, lengths=(prompt, prompt))
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    for i, p in enumerate(prompts):
+        engine.add_request(str(i), p, params)
+    engine.step()
+    assert [s.request_id for s in engine.running] == ["0"] and [s.request_id for s in engine.waiting] == ["1"]
+    # /metrics' usage counts the draft's store as reserved (the speculator's lies in its process)
+    assert engine.kv_cache_usage[0] == engine.target.kv.nbytes + draft_bytes
+    outputs = run_within(engine, budget)
+    for i, p in enumerate(prompts):
+        assert outputs[str(i)] == reference_greedy(target, p, max_tokens, eos=set())
+
+
+def test_an_eagle3_speculators_store_is_one_layer():
+    from helpers import eagle3_head_for
+    from ssd_eagle.config import SpeculativeConfig
+    from ssd_eagle.drafters.backends import Eagle3Backend
+    from ssd_eagle.engine.factory import speculator_kv
+
+    head = eagle3_head_for(make_tiny_llama(seed=4))
+    spec = SpeculativeConfig(method="eagle3", model="in-memory", num_speculative_tokens=3, fanout=[2])
+    geometry = speculator_kv(spec, head)
+    assert geometry.bytes_per_position == Eagle3Backend(head, 1, 64, False).kv.bytes_per_position == POSITION // 4
+    assert geometry.slack == spec.kv_slack("speculator")
+
+
+def test_a_request_whose_draft_kv_can_never_fit_gets_a_400_naming_the_field(byte_tokenizer):
+    from fastapi.testclient import TestClient
+
+    from inference.api_server import build_app
+
+    target = make_tiny_llama(seed=4)
+    engine = build_engine("draft", target, byte_tokenizer, kv_cache_memory=512 * POSITION / GIB)
+    with TestClient(build_app(engine, "tiny")) as client:
+        refused = client.post("/v1/completions", json={"prompt": [1] * 200, "max_tokens": 300})
+        ok = client.post("/v1/completions", json={"prompt": [1] * 100, "max_tokens": 100, "temperature": 0})
+        metrics = client.get("/metrics").text
+    assert refused.status_code == 400, refused.text
+    error = refused.json()["error"]
+    assert (error["param"], error["code"]) == ("max_tokens", "kv_cache_exceeded") and "drafts" in error["message"]
+    assert ok.status_code == 200, ok.text
+    assert "ssd_eagle_kv_cache_usage_bytes" in metrics

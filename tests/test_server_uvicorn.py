@@ -238,3 +238,50 @@ def test_a_port_in_use_fails_before_the_model_loads(tmp_path):
     logs = [json.loads(line) for line in result.stderr.splitlines() if line.startswith("{")]
     assert [e["event"] for e in logs if e.get("event")] == ["bind_failed"]
     assert str(port) in logs[-1]["message"] and "in use" in logs[-1]["message"]
+
+
+def spawned(process) -> bool:
+    """Whether ``process`` (a psutil.Process) has a multiprocessing ``spawn`` child (an SSD speculator)."""
+    import psutil
+
+    for child in process.children():
+        try:
+            if "spawn_main" in " ".join(child.cmdline()):
+                return True
+        except psutil.NoSuchProcess:  # (a short-lived helper process)
+            pass
+    return False
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_while_the_model_loads_exits_cleanly(tmp_path, sig):
+    import psutil
+
+    model_dir = tmp_path / "model"
+    save_tiny_model(model_dir)
+    spec = json.dumps({"method": "draft_model", "model": str(model_dir), "num_speculative_tokens": 3,
+                       "speculator": "process"})
+    log_path = tmp_path / "server.log"
+    with open(log_path, "w") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "inference.serve", "--model", str(model_dir), "--port",
+                                 str(_free_port()), "--mode", "ssd", "--speculative-config", spec,
+                                 "--num-threads", "1"], cwd=REPO, stdout=out, stderr=subprocess.STDOUT)
+        try:
+            server = psutil.Process(proc.pid)
+            deadline = time.monotonic() + STARTUP_TIMEOUT
+            while not spawned(server):  # the speculator is spawned while the engine is being built
+                assert proc.poll() is None and time.monotonic() < deadline, log_path.read_text()
+                time.sleep(0.02)
+            children = server.children(recursive=True)
+            proc.send_signal(sig)
+            assert proc.wait(timeout=30) == 0, log_path.read_text()
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+    _, alive = psutil.wait_procs(children, timeout=10)
+    assert not alive, f"left behind: {alive}"
+    lines = log_path.read_text().splitlines()
+    logs = [json.loads(line) for line in lines]  # every line a whole JSON record: no traceback, nothing cut off
+    assert logs[-1]["event"] == "exited" and logs[-1]["clean"] is True
+    assert logs[-1]["during"] == "startup" and logs[-1]["signal"] == signal.Signals(sig).name
+    assert not any(e.get("event") == "serving" for e in logs)

@@ -80,6 +80,7 @@ class Drafter(ABC):
     needs_aux_hidden: bool = False
     name: str = "drafter"
     healthy: bool = True  # False after a failure: the engine then decodes without drafts
+    kv_geometry = None  # a ssd_eagle.kv_cache.DraftKV: the draft's stores, counted against the engine's KV budget
     error: str | None = None
     catch_up_seconds: float = 0.0  # what the last propose spent feeding committed text it had skipped (not drafting)
 

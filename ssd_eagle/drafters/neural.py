@@ -38,6 +38,7 @@ from ssd_eagle.drafters.backends import DraftBackend
 from ssd_eagle.drafters.base import Drafter, Proposal, SaguaroSampling
 from ssd_eagle.drafters.chain import draft_chain
 from ssd_eagle.drafters.tree import TreeSettings, grow_after_committed
+from ssd_eagle.kv_cache import DraftKV
 
 
 def draft_from_committed(backend: DraftBackend, seqs: list, num_cached: list[int], pending: list, budgets: list[int],
@@ -107,6 +108,7 @@ class NeuralDrafter(Drafter):
     def __init__(self, backend: DraftBackend, saguaro: SaguaroSampling | None = None,
                  tree: TreeSettings | None = None, token_budget: int = 512):
         self.backend = backend
+        self.kv_geometry = DraftKV(backend.kv.bytes_per_position)  # (its store follows the target's: fit_kv)
         self.needs_aux_hidden = backend.needs_aux
         self.aux_layer_ids = backend.aux_layer_ids
         self.saguaro = saguaro

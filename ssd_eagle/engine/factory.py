@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from ssd_eagle.engine.llm_engine import LLMEngine
+from ssd_eagle.kv_cache import DraftKV, bytes_per_position
 
 
 def load_draft(spec, target=None, *, target_config=None, dtype: torch.dtype | None = None,
@@ -178,8 +179,25 @@ def make_drafter(config, target, max_model_len: int, placement=None, draft: nn.M
         def respawn():  # the settings the first one left: its cores and backend; this process stays pinned
             return RemoteSpeculator(settings, draft, timeout=spec.speculator_timeout, verifier_device=config.device,
                                     heartbeat_timeout=spec.speculator_heartbeat_timeout)
-    return SSDDrafter(speculator, needs_aux=aux_ids is not None, aux_layer_ids=aux_ids, draft_name=spec.method,
-                      respawn=respawn)
+    drafter = SSDDrafter(speculator, needs_aux=aux_ids is not None, aux_layer_ids=aux_ids, draft_name=spec.method,
+                         respawn=respawn)
+    drafter.kv_geometry = speculator_kv(spec, draft)
+    return drafter
+
+
+def speculator_kv(spec, draft: nn.Module | None) -> DraftKV | None:
+    """The SSD speculator's KV store as the engine's KV budget counts it, from the draft's geometry (the store
+    lives in the speculator's process): an EAGLE-3 head's one layer or a draft LM's layers, in the draft's dtype,
+    with a round's branches past the text (``spec.kv_slack("speculator")``). None where the draft is loaded
+    elsewhere (a tensor-parallel speculator rank)."""
+    if draft is None:
+        return None
+    lm = spec.method == "draft_model"
+    cfg = draft.config.get_text_config() if lm else draft.config
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    per_position = bytes_per_position(cfg.num_hidden_layers if lm else 1, cfg.num_key_value_heads, head_dim,
+                                      next(draft.parameters()).dtype)
+    return DraftKV(per_position, spec.kv_slack("speculator"))
 
 
 def build(config, target=None, placement=None, *, tokenizer=None, draft: nn.Module | None = None) -> LLMEngine:

@@ -33,7 +33,7 @@ from ssd_eagle.engine.scheduler import GIB, Scheduler
 from ssd_eagle.engine.sequence import RequestOutput, Sequence, SequenceStatus, TokenLogprob
 from ssd_eagle.kv_cache import ForwardBatch
 from ssd_eagle.model_runner import ModelRunner, RunnerOutput
-from ssd_eagle.prefix_cache import PrefixCache
+from ssd_eagle.prefix_cache import PrefixCache, feed_reused_prefix
 from ssd_eagle.sampling import SamplingTensors, logits_to_probs, sample
 from ssd_eagle.sampling_params import SamplingParams
 from ssd_eagle.stats import SpecStats
@@ -64,8 +64,9 @@ class LLMEngine:
         enable_prefix_caching: reuse cached keys/values (and aux states) of prompt prefixes, in blocks of 64 tokens.
         prefix_cache_memory: GiB the prefix cache may hold (and no more than the KV budget leaves; 64 MiB keeps a
             long request's RSS within 1.1x of a warm server's: scripts/bench_prefill.py rss).
-        kv_cache_memory: GiB budget of the target's KV store plus the prefix cache (None: unbounded). Admission
-            reserves prompt + max_tokens + one round per request; requests that do not fit now wait.
+        kv_cache_memory: GiB budget of the target's KV store, the drafts' (``drafter.kv_geometry``) and the prefix
+            cache (None: unbounded). Admission reserves prompt + max_tokens + one round per request in each store;
+            requests that do not fit now wait.
 
     Raises:
         ValueError: a non-positive ``max_num_batched_tokens``, ``prefill_chunk`` or ``kv_cache_memory``.
@@ -110,7 +111,8 @@ class LLMEngine:
             drafter.backend.use_fixed_shapes(False)  # --eager: the draft's steps stay dynamic too
         self._rng = random.Random(seed)
         self.scheduler = Scheduler(max_num_seqs, max_num_batched_tokens, prefill_chunk, 1 + self.max_draft_tokens,
-                                   self.target.kv.max_len, self.target.kv.bytes_per_position, kv_cache_memory)
+                                   self.target.kv.max_len, self.target.kv.bytes_per_position, kv_cache_memory,
+                                   getattr(drafter, "kv_geometry", None))
         self.prefix_cache = PrefixCache(int(prefix_cache_memory * GIB)) if enable_prefix_caching else None
         self._call_drafter("set_token_budget", max_num_batched_tokens)  # its lazy catch-ups' forwards
         self.requests: dict[str, Sequence] = {}
@@ -179,9 +181,10 @@ class LLMEngine:
 
     @property
     def kv_cache_usage(self) -> tuple[int, int | None]:
-        """(bytes the target's KV store and the prefix cache hold now, the ``kv_cache_memory`` budget or None)."""
+        """(bytes the target's KV store, the drafts' stores (reserved for the live requests) and the prefix cache
+        hold now, the ``kv_cache_memory`` budget or None)."""
         cached = self.prefix_cache.nbytes if self.prefix_cache is not None else 0
-        return self.target.kv.nbytes + cached, self.scheduler.budget
+        return self.target.kv.nbytes + self.scheduler.reserved_bytes()[1] + cached, self.scheduler.budget
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -210,11 +213,9 @@ class LLMEngine:
         if not admitted:
             return
         self._fit_kv()
-        if self._reuses_prefixes:
-            for seq in admitted:  # at least the last prompt token is prefilled: its logits give the first token
-                n, aux = self.prefix_cache.load(seq.token_ids[: seq.num_prompt_tokens - 1], self.target.kv, seq.slot)
-                seq.num_cached = seq.num_reused = n
-                seq.prompt_aux = [aux] if self.needs_aux and n else []
+        if self._reuses_prefixes:  # (a drafter then catches up on the reused prefix chunk by chunk: _prefill)
+            for seq in admitted:
+                self.prefix_cache.reuse(seq, self.target.kv, self.needs_aux, self.drafter)
 
     @property
     def _local_target(self) -> bool:
@@ -260,6 +261,7 @@ class LLMEngine:
             return []
         start = time.perf_counter()
         prefilled = [seq for seq, _ in chunks]
+        chunks = [c for c in chunks if not feed_reused_prefix(*c, self._call_drafter)]  # (the drafter's catch-up)
         last_logits: dict[int, torch.Tensor] = {}
         max_len = self.target.kv.max_len
         while chunks:  # pad tokens of a short row write past its end: a row too close to max_len runs alone

@@ -35,7 +35,8 @@ class Sequence:
     Attributes:
         token_ids: prompt followed by the output so far. The target's cache holds every token but the last.
         num_cached: target cache positions that hold committed tokens (``len(token_ids) - 1`` between rounds;
-            while the prompt is being prefilled, its tokens cached so far, reused prefix included).
+            while the prompt is being prefilled, its tokens cached so far, reused prefix included once the drafter
+            has caught up on it: :meth:`~ssd_eagle.prefix_cache.PrefixCache.reuse`).
         num_reused: prompt tokens whose keys/values came from the prefix cache instead of a prefill.
         prompt_aux: the target's aux hidden states of the cached prompt positions so far (float [n, 3H] pieces, in
             order), kept for drafters that need them (``add_sequence``) and for the prefix cache.
