@@ -250,3 +250,46 @@ def test_an_in_process_build_stops_at_its_deadline(byte_tokenizer):
         assert out.token_ids == reference_greedy(target, prompt, 16)
     assert local.speculator.stats.interrupted == local.speculator.stats.builds > 0  # a full build: >= K * step_s
     assert max(slow.builds) <= deadline_s + slow.longest + step_s, (slow.builds, slow.longest)
+
+
+def test_builds_finish_again_after_an_unlucky_start(byte_tokenizer):
+    """Issue 13 (the feedback trap, end to end): every draft forward costs what a draft LM's does (50 ms), builds
+    and backups alike, and the verification (270 ms) ends one forward before the build (7 forwards): the outcome
+    finds R = 50 ms of build left against a backup of B = 6 forwards = 300 ms, so finishing pays whenever p > 1/6.
+    The budget starts unlucky (20 misses after finished builds: the old mean rule's p <= 3 / 24 then stopped every
+    build for good); builds must finish again and the lookups after them be measured, and the output stays the
+    target's greedy decode."""
+    step_s, k = 0.05, 6
+    target = make_tiny_llama(seed=3)
+    engine = ssd_engine(target, noisy_copy(target, 0.02), byte_tokenizer, max_num_seqs=1, k=k)
+    speculator = engine.drafter.speculator.speculator
+    speculator.budget.cap = lambda: None  # every build full-size
+    budget = speculator.budget
+    for _ in range(20):
+        budget.observe_lookup(False)
+    observed, observe = [], budget.observe_lookup  # lookups after finished builds, from here on
+    budget.observe_lookup = lambda hit: observed.append(hit) or observe(hit)
+    forward = speculator.backend.forward
+
+    def slow_forward(*args, **kwargs):
+        time.sleep(step_s)
+        return forward(*args, **kwargs)
+
+    speculator.backend.forward = slow_forward
+    engine.target.forward = AlternatingTarget(engine.target, [(k - 0.6) * step_s])
+    verifier_end, speculator_end, _store = _pair(torch.float64)
+    server = threading.Thread(target=serve, args=(speculator, speculator_end, []))
+    server.start()
+    link = SpeculatorLink(verifier_end, target.config.vocab_size, timeout=30)
+    engine.drafter.speculator = link
+    prompts = random_prompts(2, seed=4)
+    try:
+        outs = LLM(engine=engine).generate(prompts, SamplingParams(temperature=0.0, max_tokens=40))
+    finally:
+        link.close()
+        server.join(timeout=30)
+    for prompt, out in zip(prompts, outs):
+        assert out.token_ids == reference_greedy(target, prompt, 40)
+    assert speculator.stats.interrupted > 0
+    # the two warm-up builds' lookups, then those after builds finished despite the unlucky start
+    assert len(observed) >= 4, (observed, budget.hit_posterior(), budget.backup_s)

@@ -79,7 +79,8 @@ class Channel:
             them (a bf16 q rounded on the way would change the output law at T > 0; temperature 0.7 would arrive
             as 0.6992).
         device: where buffers live (the process's device; CPU for gloo, where messages travel framed).
-        frame_words: int64 words of a frame (header included; a larger message sends its body apart).
+        frame_words: int64 words of a frame (header included; a larger message sends its body apart); both ends
+            of a link must use the same.
     """
 
     def __init__(self, group, peer: int, float_dtype: torch.dtype = torch.float32, device="cpu",
