@@ -5,6 +5,7 @@ a backup after an interrupted build drafts exactly what it drafts after a comple
 
 from __future__ import annotations
 
+import random
 import threading
 import time
 
@@ -113,13 +114,37 @@ def test_a_build_is_finished_only_when_that_answers_sooner_on_average():
     budget.observe_build(2e-3, 10, 4, 4 * 1e-3)  # 1 ms a forward over 10 branches, proportional
     assert not budget.worth_finishing(0.0)  # no backup measured: stop
     budget.observe_backup(10e-3)
-    assert budget.hits_after_full / budget.lookups_after_full == 0.5  # the prior
-    assert budget.worth_finishing(4e-3) and not budget.worth_finishing(6e-3)  # R < p B = 5 ms
-    for hit in (True, True, True, True, True, True, False, False):  # p = (1 + 6) / (2 + 8) = 0.7
+    assert budget.hit_posterior() == (1.0, 1.0)  # the prior: uniform
+    # p ~ U(0, 1): R = 3 ms beats p B = 10 p ms when p > 0.3, 70% of the draws
+    assert 0.6 < sum(budget.worth_finishing(3e-3) for _ in range(2000)) / 2000 < 0.8
+    for hit in ([True] * 7 + [False] * 3) * 20:  # p = 0.7, well measured (200 lookups fade to ~49)
         budget.observe_lookup(hit)
-    assert budget.worth_finishing(6.9e-3) and not budget.worth_finishing(7.1e-3)
+    a, b = budget.hit_posterior()
+    assert a + b == pytest.approx(2 + 49.1, abs=0.1) and a / (a + b) == pytest.approx(0.7, abs=0.05)
+    assert sum(budget.worth_finishing(4e-3) for _ in range(1000)) > 990  # R = 0.4 B < p B: finish
+    assert sum(budget.worth_finishing(9.5e-3) for _ in range(1000)) < 10  # R = 0.95 B > p B: stop
     assert budget.remaining_s(3, 10) == pytest.approx(3e-3)
     assert budget.remaining_s(4, 10, fixed=True) == pytest.approx(6e-3)
+
+
+def test_the_hit_rate_recovers_from_an_unlucky_start():
+    """Bug fix (issue 13): p was the mean hit rate after finished builds, so after a few unlucky misses R < p B
+    never held again, no build finished, p was never measured again and a draft LM's SSD hit 0.00. Drawn from its
+    posterior, p still finishes some builds, and the hit rate they measure brings it back."""
+    budget, world = BuildBudget(), random.Random(1)
+    budget.observe_build(1.0, 10, 4, 1.0)
+    budget.observe_build(2e-3, 10, 4, 4e-3)
+    budget.observe_backup(100e-3)  # a slow backup (draft-LM steps); a build interrupted with R = 40 ms left
+    for _ in range(6):  # the first finished builds all missed
+        budget.observe_lookup(False)
+    finished = []
+    for _ in range(400):  # true p = 0.6 > R / B = 0.4: finishing pays
+        finished.append(budget.worth_finishing(40e-3))
+        if finished[-1]:
+            budget.observe_lookup(world.random() < 0.6)
+    a, b = budget.hit_posterior()
+    assert a / (a + b) == pytest.approx(0.6, abs=0.12)
+    assert sum(finished[-100:]) >= 85, sum(finished[-100:])
 
 
 class SlowBuildSteps:
@@ -225,3 +250,46 @@ def test_an_in_process_build_stops_at_its_deadline(byte_tokenizer):
         assert out.token_ids == reference_greedy(target, prompt, 16)
     assert local.speculator.stats.interrupted == local.speculator.stats.builds > 0  # a full build: >= K * step_s
     assert max(slow.builds) <= deadline_s + slow.longest + step_s, (slow.builds, slow.longest)
+
+
+def test_builds_finish_again_after_an_unlucky_start(byte_tokenizer):
+    """Issue 13 (the feedback trap, end to end): every draft forward costs what a draft LM's does (50 ms), builds
+    and backups alike, and the verification (270 ms) ends one forward before the build (7 forwards): the outcome
+    finds R = 50 ms of build left against a backup of B = 6 forwards = 300 ms, so finishing pays whenever p > 1/6.
+    The budget starts unlucky (20 misses after finished builds: the old mean rule's p <= 3 / 24 then stopped every
+    build for good); builds must finish again and the lookups after them be measured, and the output stays the
+    target's greedy decode."""
+    step_s, k = 0.05, 6
+    target = make_tiny_llama(seed=3)
+    engine = ssd_engine(target, noisy_copy(target, 0.02), byte_tokenizer, max_num_seqs=1, k=k)
+    speculator = engine.drafter.speculator.speculator
+    speculator.budget.cap = lambda: None  # every build full-size
+    budget = speculator.budget
+    for _ in range(20):
+        budget.observe_lookup(False)
+    observed, observe = [], budget.observe_lookup  # lookups after finished builds, from here on
+    budget.observe_lookup = lambda hit: observed.append(hit) or observe(hit)
+    forward = speculator.backend.forward
+
+    def slow_forward(*args, **kwargs):
+        time.sleep(step_s)
+        return forward(*args, **kwargs)
+
+    speculator.backend.forward = slow_forward
+    engine.target.forward = AlternatingTarget(engine.target, [(k - 0.6) * step_s])
+    verifier_end, speculator_end, _store = _pair(torch.float64)
+    server = threading.Thread(target=serve, args=(speculator, speculator_end, []))
+    server.start()
+    link = SpeculatorLink(verifier_end, target.config.vocab_size, timeout=30)
+    engine.drafter.speculator = link
+    prompts = random_prompts(2, seed=4)
+    try:
+        outs = LLM(engine=engine).generate(prompts, SamplingParams(temperature=0.0, max_tokens=40))
+    finally:
+        link.close()
+        server.join(timeout=30)
+    for prompt, out in zip(prompts, outs):
+        assert out.token_ids == reference_greedy(target, prompt, 40)
+    assert speculator.stats.interrupted > 0
+    # the two warm-up builds' lookups, then those after builds finished despite the unlucky start
+    assert len(observed) >= 4, (observed, budget.hit_posterior(), budget.backup_s)

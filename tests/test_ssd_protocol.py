@@ -5,6 +5,7 @@ several at once in one process)."""
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 import torch
@@ -67,6 +68,22 @@ def test_reply_round_trips_chains_trees_hits_and_misses():
     assert_same_proposals(p.decode_reply(p.encode_reply(proposals), V), proposals)
 
 
+def test_a_reply_carries_q_on_its_support_only_and_bit_for_bit():
+    """Issue 13 item 2: a q travels on the columns where some q of the reply is nonzero (an EAGLE-3 head's draft
+    vocabulary, top-k/top-p); the verifier rebuilds exact zeros elsewhere and the speculator's values bit for bit."""
+    vocab, used = 1000, torch.tensor([3, 17, 250, 999])
+    q = torch.zeros(3, vocab, dtype=torch.float64)
+    q[:, used] = torch.softmax(torch.randn(3, 4, dtype=torch.float64), dim=-1)
+    q[1, 17] = 0.0  # zero inside the support too
+    other = torch.zeros(1, vocab, dtype=torch.float64)
+    other[0, 5] = 1.0
+    proposals = [Proposal([3, 250, 999], q, True, 1), Proposal([2], None, False, 0), Proposal([5], other, None, None),
+                 Proposal([], torch.zeros(0, vocab, dtype=torch.float64), False, 2)]
+    msg = p.encode_reply(proposals)
+    assert msg.floats.numel() == 4 * 5  # 4 rows with q on the 5 columns used (not 4 * 1000)
+    assert_same_proposals(p.decode_reply(msg, vocab), proposals)
+
+
 def test_remove_and_stats_round_trip():
     assert p.decode_remove(p.encode_remove(6)) == 6
     stats = SpeculatorStats(lookups=9, hits=4, bonus_ranks=[0, -1, 2], build_time=0.123456789, builds=8,
@@ -77,7 +94,7 @@ def test_remove_and_stats_round_trip():
     assert got_intervals == pytest.approx(intervals, abs=1e-6)
 
 
-def _pair(float_dtype=torch.float32):
+def _pair(float_dtype=torch.float32, frame_words: int = 1 << 18):
     """Both ends of a link in this process (the speculator's end is opened on a thread: joining blocks)."""
     store = t.open_store(0, timeout=30)
     ends = {}
@@ -86,8 +103,8 @@ def _pair(float_dtype=torch.float32):
     joiner.start()
     verifier = t.pair_group(store, t.VERIFIER, timeout=30)
     joiner.join()
-    return (t.Channel(verifier, t.SPECULATOR, float_dtype), t.Channel(ends["speculator"], t.VERIFIER, float_dtype),
-            store)
+    return (t.Channel(verifier, t.SPECULATOR, float_dtype, frame_words=frame_words),
+            t.Channel(ends["speculator"], t.VERIFIER, float_dtype, frame_words=frame_words), store)
 
 
 def _deliver(sender: t.Channel, msg: p.Message, receiver: t.Channel) -> p.Message:
@@ -148,3 +165,32 @@ def test_a_bf16_link_carries_q_and_sampling_parameters_exactly():
     msg = _deliver(verifier, p.encode_add(p.NewSequence(0, [1, 2], params, 5)), speculator)
     assert msg.floats.dtype == torch.float32 and msg.floats[:2].tolist() == [torch.tensor(0.7).item(),
                                                                               torch.tensor(0.9).item()]
+
+
+def test_a_send_does_not_wait_for_a_busy_peer():
+    """Bug fix (issue 13 item 2): a gloo send completes only once the peer posts the matching receive, and the link
+    sent every message as a header and up to two payloads, each receive posted only when the peer got to it: an
+    outcome sent while the speculator was mid-forward waited for that forward (5.5 ms of a hit's 5.5 ms wait, bf16
+    SmolLM2). Each end now keeps its next frame's receive posted, so a send returns while the peer is busy."""
+    verifier, speculator, _store = _pair()
+    requests = [SpecRequest(0, 2, 7, 3, torch.randn(3, 1728), [4, 5])]
+    proposals = [Proposal([1, 2, 3], torch.softmax(torch.randn(3, V), dim=-1), True, 2)]
+    for sender, msg, receiver, decode, check, want in (
+            (verifier, p.encode_propose(requests), speculator, p.decode_propose, assert_same_requests, requests),
+            (speculator, p.encode_reply(proposals), verifier, lambda m: p.decode_reply(m, V), assert_same_proposals,
+             proposals)):
+        start = time.perf_counter()
+        sender.send(msg)  # the peer is busy (it receives only below, long after)
+        assert time.perf_counter() - start < 0.2
+        time.sleep(0.3)
+        assert receiver.poll()
+        check(decode(receiver.recv(timeout=10)), want)
+
+
+def test_messages_larger_than_a_frame_and_after_them_cross_unchanged():
+    verifier, speculator, _store = _pair(frame_words=64)
+    big = [SpecRequest(1, 3, 9, 4, torch.randn(4, 100), [1, 2, 3])]  # 400 floats: 200 words, past the frame
+    small = [SpecRequest(2, 0, 5, 4, torch.randn(1, 3), [])]  # 3 float32 words: an odd count, padded
+    for requests in (big, small, big, small, small):
+        assert_same_requests(p.decode_propose(_deliver(verifier, p.encode_propose(requests), speculator)), requests)
+    assert p.decode_remove(_deliver(speculator, p.encode_remove(3), verifier)) == 3

@@ -8,9 +8,10 @@ n_floats]`` and then the payloads as plain tensors (no pickling on the hot path)
               floats [temperature, top_p, aux[(n - done) * W]]           (their aux states: EAGLE-3 only)
     PROPOSE   ints   [rows, W, per row: slot, k, bonus, budget; then every row's k accepted tokens]
               floats [aux[(k + 1) * W] of every row with k >= 0]         (W = 0: no aux)
-    REPLY     ints   [rows, per row: hit, lookup_k, fanout, power_micro, m, has_q, is_tree, tokens[m],
-                      parents[m] if is_tree]
-              floats [q[m * V] of every row with has_q]
+    REPLY     ints   [rows, n, support[n], per row: hit, lookup_k, fanout, power_micro, m, has_q, is_tree,
+              tokens[m], parents[m] if is_tree]
+              floats [q[m, support] of every row with has_q]  (support: the columns where some q of the reply is
+              nonzero, ascending; every other entry of every q is exactly 0)
     REMOVE    ints   [slot]
     STATS     request: empty; reply ints [lookups, hits, builds, backup_forwards, interrupted, power_micro, n,
               ranks[n], build_ns, intervals_ns...] (nanoseconds, and the fitted r in millionths, -1 for None: exact
@@ -21,7 +22,10 @@ n_floats]`` and then the payloads as plain tensors (no pickling on the hot path)
 A prompt prefilled in chunks goes in one ADD per chunk, in order (``start`` = the tokens sent before; the first
 chunk, ``start = 0``, starts the sequence and alone uses its seed and sampling fields); the last has ``done = 1``:
 its last token is the first sampled one, which has no aux state yet, and the sequence then decodes.
-``k = -1`` is the first round after the last ADD (no lookup); ``hit`` and ``lookup_k`` are -1 for None. A reply is a
+``k = -1`` is the first round after the last ADD (no lookup); ``hit`` and ``lookup_k`` are -1 for None. A q travels
+on its support only: an EAGLE-3 head's q is 0 outside its draft vocabulary (8192 of SmolLM2's 49152 tokens), and
+top-k, top-p and Saguaro scaling zero more, so a sampled chain's reply shrinks from K x V floats to about a sixth,
+and the q the verifier rebuilds is the speculator's bit for bit. A reply is a
 :class:`~ssd_eagle.drafters.base.Proposal` (its ``cache_hit`` is the ``hit`` word; ``hidden`` stays on the
 speculator's side). Decoded tensors are copies:
 they outlive the channel's receive buffers.
@@ -36,8 +40,8 @@ import torch
 from ssd_eagle.drafters.base import Proposal
 from ssd_eagle.sampling_params import SamplingParams
 
-PROTOCOL_VERSION = 5  # 4: REPLY without fanout and r; 3: STATS without interrupted builds and the fitted r;
-# 2: one ADD per sequence (no chunks);
+PROTOCOL_VERSION = 5  # 4: REPLY with dense q, without fanout and r, and (transport) header and payloads in separate
+# sends; 3: STATS without interrupted builds and the fitted r; 2: one ADD per sequence (no chunks);
 # 1: the unversioned layout before this module (no aux width, float statistics)
 ADD, PROPOSE, REPLY, REMOVE, STATS, SHUTDOWN, ERROR = range(1, 8)
 
@@ -126,21 +130,24 @@ def decode_propose(msg: Message) -> list:
 
 # REPLY
 def encode_reply(proposals: list[Proposal]) -> Message:
-    ints, qs = [len(proposals)], []
+    qs = [p.q.reshape(-1, p.q.shape[-1]) for p in proposals if p.q is not None]
+    support = torch.cat(qs).ne(0).any(0).nonzero().view(-1).cpu() if qs else torch.zeros(0, dtype=torch.long)
+    ints = [len(proposals), support.numel(), *support.tolist()]
     for p in proposals:
         is_tree = p.parents is not None
         power = None if p.fanout_power is None else round(p.fanout_power * 1e6)
         ints += [_none_as(p.cache_hit), _none_as(p.lookup_k), _none_as(p.fanout), _none_as(power), len(p.tokens),
                  int(p.q is not None), int(is_tree), *p.tokens, *(p.parents if is_tree else [])]
-        if p.q is not None:
-            qs.append(p.q.reshape(-1).cpu())
-    return Message(REPLY, torch.tensor(ints, dtype=torch.long), torch.cat(qs) if qs else None)
+    floats = torch.cat([q.index_select(1, support.to(q.device)).reshape(-1).cpu() for q in qs]) if qs else None
+    return Message(REPLY, torch.tensor(ints, dtype=torch.long), floats)
 
 
 def decode_reply(msg: Message, vocab_size: int) -> list[Proposal]:
-    """``vocab_size``: V, the width of every q row."""
+    """``vocab_size``: V, the width of every q row (zeros off the reply's support)."""
     values = msg.ints.tolist()
-    proposals, cursor, offset = [], 1, 0
+    n = values[1]
+    support = msg.ints[2: 2 + n].clone()
+    proposals, cursor, offset = [], 2 + n, 0
     for _ in range(values[0]):
         hit, lookup_k, fanout, power, m, has_q, is_tree = values[cursor: cursor + 7]
         cursor += 7
@@ -152,8 +159,9 @@ def decode_reply(msg: Message, vocab_size: int) -> list[Proposal]:
             cursor += m
         q = None
         if has_q:
-            q = msg.floats[offset: offset + m * vocab_size].clone().view(m, vocab_size)
-            offset += m * vocab_size
+            q = msg.floats.new_zeros(m, vocab_size)
+            q[:, support] = msg.floats[offset: offset + m * n].view(m, n)
+            offset += m * n
         hit = _as_none(hit)
         power = _as_none(power)
         proposals.append(Proposal(tokens, q, None if hit is None else bool(hit), _as_none(lookup_k), parents,

@@ -8,9 +8,18 @@ pair is a ``new_group`` of the job (:mod:`ssd_eagle.parallel.topology`). Either 
 by its rank *in the pair* (the verifier is 0, the speculator 1).
 
 Every message (:mod:`ssd_eagle.ssd.protocol`, which lists the layouts) is a fixed int64 header
-``[PROTOCOL_VERSION, command, n_ints, n_floats]`` followed by at most one int64 and one float payload, received
-into preallocated buffers when they fit (the hot path never pickles). Floats travel in the link's dtype (the
-verifier's).
+``[PROTOCOL_VERSION, command, n_ints, n_floats]`` and a body: the int64 words, then the floats' bytes packed into
+int64 words (floats travel in the link's dtype, the verifier's, never narrower than float32). The hot path never
+pickles.
+
+A gloo send completes only once the peer has posted the matching receive (measured: a send to a peer that posts its
+receive 20 ms later waits 20 ms), so on CPUs every message travels as **one frame** (header and body in one send)
+and each end keeps the receive of the peer's next frame posted at all times (two frame buffers, alternating): a send
+never waits for the peer to finish what it is doing (a speculator mid-forward, a verifier mid-verification), and a
+round costs one send each way instead of five rendezvous. A message larger than a frame sends its header in the
+frame and its body in a second send. With NCCL (two GPUs) a receive must match its send's size and a posted receive
+would hold back this rank's sends on the communicator's stream, so there the header and the body travel as two
+sends and nothing is posted in advance.
 """
 
 from __future__ import annotations
@@ -69,29 +78,42 @@ class Channel:
             sampled proposal and the sampling parameters must reach the verifier exactly as the speculator used
             them (a bf16 q rounded on the way would change the output law at T > 0; temperature 0.7 would arrive
             as 0.6992).
-        device: where buffers live (the process's device; CPU for gloo).
-        max_ints / max_floats: preallocated payload sizes; larger messages allocate.
+        device: where buffers live (the process's device; CPU for gloo, where messages travel framed).
+        frame_words: int64 words of a frame (header included; a larger message sends its body apart); both ends
+            of a link must use the same.
     """
 
     def __init__(self, group, peer: int, float_dtype: torch.dtype = torch.float32, device="cpu",
-                 max_ints: int = 1 << 16, max_floats: int = 1 << 22):
+                 frame_words: int = 1 << 18):
         self.group, self.peer = group, peer
         self.device = device
         self.float_dtype = torch.promote_types(float_dtype, torch.float32)
-        self.header = torch.zeros(HEADER, dtype=torch.long, device=device)
-        self.ints = torch.zeros(max_ints, dtype=torch.long, device=device)
-        self.floats = torch.zeros(max_floats, dtype=self.float_dtype, device=device)
-        self._posted = None  # a header receive started by poll()
+        self.framed = torch.device(device).type == "cpu"
+        self.frames = [torch.zeros(frame_words, dtype=torch.long, device=device) for _ in range(2 if self.framed
+                                                                                             else 1)]
+        self._next = 0  # the frame the next message arrives in
+        self._posted = None  # the posted receive of that frame (framed: always)
+        if self.framed:
+            self.post()
 
     def send(self, msg: Message) -> None:
         """Send one message (int payloads as int64, floats in ``float_dtype``)."""
         n_i = 0 if msg.ints is None else msg.ints.numel()
         n_f = 0 if msg.floats is None else msg.floats.numel()
-        self._send(torch.tensor([PROTOCOL_VERSION, msg.command, n_i, n_f], dtype=torch.long, device=self.device))
+        header = torch.tensor([PROTOCOL_VERSION, msg.command, n_i, n_f], dtype=torch.long)
+        parts = [header]
         if n_i:
-            self._send(msg.ints.reshape(-1).to(device=self.device, dtype=torch.long).contiguous())
+            parts.append(msg.ints.reshape(-1).to("cpu", torch.long))
         if n_f:
-            self._send(msg.floats.reshape(-1).to(device=self.device, dtype=self.float_dtype).contiguous())
+            floats = msg.floats.reshape(-1).to("cpu", self.float_dtype)
+            pad = -floats.numel() % (8 // floats.element_size())
+            parts.append(torch.cat([floats, floats.new_zeros(pad)]).view(torch.long))
+        if self.framed and sum(map(len, parts)) <= self.frames[0].numel():
+            self._send(torch.cat(parts))
+            return
+        self._send(header.to(self.device))
+        if len(parts) > 1:
+            self._send(torch.cat(parts[1:]).to(self.device))
 
     def recv(self, timeout: float | None = None) -> Message:
         """Receive one message. Its payloads may alias internal buffers: copy what must outlive the next receive
@@ -102,33 +124,42 @@ class Channel:
                 broke.
             ProtocolMismatch: the peer's header carries another protocol version.
         """
-        posted, self._posted = self._posted, None
-        self._recv_into(self.header, timeout, posted)
-        version, command, n_i, n_f = self.header.tolist()
+        self.post()
+        frame = self.frames[self._next]
+        self._recv_into(frame, timeout, self._posted)  # (a receive that timed out stays posted)
+        self._posted = None
+        version, command, n_i, n_f = frame[:HEADER].tolist()
         if version != PROTOCOL_VERSION:
             raise ProtocolMismatch(f"the peer speaks SSD protocol version {version}, this side {PROTOCOL_VERSION}")
-        ints = self._payload(self.ints, n_i, torch.long, timeout)
-        floats = self._payload(self.floats, n_f, self.float_dtype, timeout)
-        return Message(command, ints, floats)
+        words = n_i + -(-n_f * self.float_dtype.itemsize // 8)
+        body = frame[HEADER: HEADER + words]
+        if not self.framed or HEADER + words > frame.numel():  # the body comes in a send of its own
+            if body.numel() < words:
+                body = torch.empty(words, dtype=torch.long, device=self.device)
+            if words:
+                self._recv_into(body, timeout)
+        if self.framed:  # the peer's next message may come at once: its frame's receive is posted now
+            self._next ^= 1
+            self.post()
+        return Message(command, body[:n_i], body[n_i:].view(self.float_dtype)[:n_f])
+
+    def post(self) -> None:
+        """Post the receive of the next message's frame (its header only with NCCL), if not posted yet."""
+        if self._posted is None:
+            frame = self.frames[self._next]
+            frame[0] = 0  # poll() reads the version word
+            self._posted = self.group.recv([frame if self.framed else frame[:HEADER]], self.peer, 0)
 
     def poll(self) -> bool:
         """Whether the next message's header has arrived (never blocks; the next :meth:`recv` completes it). A
-        timing hint only: gloo marks a receive complete only once waited on, so on CPUs the header buffer, zeroed
-        when the receive is posted, is read for the (nonzero) protocol version."""
-        if self._posted is None:
-            self.header.zero_()
-            self._posted = self.group.recv([self.header], self.peer, 0)
-        return self._posted.is_completed() or (self.header.device.type == "cpu" and bool(self.header[0]))
+        timing hint only: gloo marks a receive complete only once waited on, so on CPUs the frame, whose version
+        word is zeroed when its receive is posted, is read for the (nonzero) protocol version."""
+        self.post()
+        frame = self.frames[self._next]
+        return self._posted.is_completed() or (frame.device.type == "cpu" and bool(frame[0]))
 
     def _send(self, tensor: torch.Tensor) -> None:
         self.group.send([tensor], self.peer, 0).wait()
-
-    def _payload(self, buffer: torch.Tensor, n: int, dtype, timeout) -> torch.Tensor:
-        if n == 0:
-            return buffer[:0]
-        target = buffer[:n] if n <= buffer.numel() else torch.empty(n, dtype=dtype, device=self.device)
-        self._recv_into(target, timeout)
-        return target
 
     def _recv_into(self, tensor: torch.Tensor, timeout: float | None, work=None) -> None:
         try:
