@@ -118,12 +118,15 @@ def _is_loopback(host: str) -> bool:
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
-    """A TCP socket bound to ``(host, port)`` (uvicorn listens on it). Raises OSError (e.g. the port is in use)."""
+    """A TCP socket bound to ``(host, port)`` and listening (uvicorn serves on it; connections made while the model
+    loads wait in the backlog). Raises OSError (e.g. the port is in use). It listens at once because with
+    SO_REUSEADDR two sockets that are bound but not listening may share a port on Linux."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn: TIME_WAIT leftovers do not block
         sock.bind((host, port))
+        sock.listen(2048)  # uvicorn's default backlog
     except OSError:
         sock.close()
         raise

@@ -285,3 +285,17 @@ def test_a_signal_while_the_model_loads_exits_cleanly(tmp_path, sig):
     assert logs[-1]["event"] == "exited" and logs[-1]["clean"] is True
     assert logs[-1]["during"] == "startup" and logs[-1]["signal"] == signal.Signals(sig).name
     assert not any(e.get("event") == "serving" for e in logs)
+
+
+def test_a_port_taken_by_a_loading_server_is_refused_to_a_second_one():
+    """The first server listens from the moment it binds (before its model loads): with SO_REUSEADDR two sockets
+    that are bound but not listening share a port on Linux, so a second server loaded the whole model and then
+    crashed in uvicorn with "Address already in use" (exit 1) instead of exiting 2 at once."""
+    from inference.serve import bind_socket
+
+    first = bind_socket("127.0.0.1", 0)
+    try:
+        with pytest.raises(OSError):
+            bind_socket("127.0.0.1", first.getsockname()[1]).close()
+    finally:
+        first.close()
