@@ -155,11 +155,12 @@ def saguaro_setting(args) -> tuple[float, int]:
     return float(pick(args.saguaro_c, "saguaro_c", 0.7)), int(pick(args.saguaro_fanout, "saguaro_fanout", 3))
 
 
-def pin(cores: int, first: int = 0) -> None:
-    """Run on ``cores`` cores from core ``first`` on (wrapping around), with as many torch threads."""
-    available = sorted(os.sched_getaffinity(0) | set(range(os.cpu_count() or 1)))
-    os.sched_setaffinity(0, [available[(first + i) % len(available)] for i in range(min(cores, len(available)))])
-    torch.set_num_threads(cores)
+def pin(cores: int, allowed: list[int], first: int = 0) -> None:
+    """Run on ``cores`` of the ``allowed`` cores (the affinity the script was started with, e.g. by ``taskset``)
+    from the ``first`` on (wrapping around), with as many torch threads; fewer when fewer are allowed."""
+    chosen = [allowed[(first + i) % len(allowed)] for i in range(min(cores, len(allowed)))]
+    os.sched_setaffinity(0, chosen)
+    torch.set_num_threads(len(chosen))
 
 
 def run_engine(engine: LLMEngine, prompts, params, record_top2: bool = False) -> dict:
@@ -238,7 +239,8 @@ def main() -> None:
     ap.add_argument("--tree-topk", type=int, default=4)
     ap.add_argument("--out", default=str(ROOT / "runs/bench_ssd"))
     ap.add_argument("--first-core", type=int, default=0,
-                    help="pin from this core on (one-core configurations use only it; a shared machine can run two)")
+                    help="pin from this one of the allowed cores on (one-core configurations use only it; a shared "
+                         "machine can run two)")
     args = ap.parse_args()
 
     out_dir = Path(args.out)
@@ -246,7 +248,11 @@ def main() -> None:
     all_configs = configs(args)
     names = args.configs.split(",") if args.configs else list(all_configs)
     temps = [float(t) for t in args.temperatures.split(",")]
-    pin(1, args.first_core)
+    args.allowed_cores = sorted(os.sched_getaffinity(0))  # pins stay inside what the caller gave (taskset)
+    if len(args.allowed_cores) < 2:
+        print(f"note: only core(s) {args.allowed_cores} allowed: SSD rows share one core between the verifier and "
+              "the speculator", flush=True)
+    pin(1, args.allowed_cores, args.first_core)
     dtype = resolve_dtype(args.dtype, "cpu")
     print(describe_line("cpu", dtype), flush=True)
     model, tokenizer = load_model(args.model, dtype=dtype)
@@ -273,7 +279,7 @@ def main() -> None:
 def run_config(cfg: Config, args, model, tokenizer, prompts, temps: list[float], ranks: dict) -> dict[float, dict]:
     """One run of configuration ``cfg`` at every temperature (its drafter built for it and closed after); an SSD
     configuration's bonus-token ranks are added to ``ranks[cfg.name]``."""
-    pin(2 if cfg.mode == "ssd" or cfg.cores == 2 else 1, args.first_core)
+    pin(2 if cfg.mode == "ssd" or cfg.cores == 2 else 1, args.allowed_cores, args.first_core)
     spec = SpeculativeConfig.from_dict(cfg.spec) if cfg.spec else None
     drafter = assistant = None
     if cfg.mode in ("sd", "ssd"):
