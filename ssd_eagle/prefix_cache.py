@@ -128,7 +128,8 @@ class PrefixCache:
         positions go to the drafter alone (:func:`feed_reused_prefix`), within the step's token budget like any
         prefill; otherwise ``seq.num_cached`` is the reused length at once."""
         n, aux = self.load(seq.token_ids[: seq.num_prompt_tokens - 1], kv, seq.slot)
-        drafts = drafter is not None and drafter.healthy and type(drafter).prefill is not Drafter.prefill
+        own_prefill = getattr(getattr(drafter, "prefill", None), "__func__", Drafter.prefill)  # wrappers delegate
+        drafts = drafter is not None and drafter.healthy and own_prefill is not Drafter.prefill
         seq.num_reused, seq.num_cached = n, 0 if drafts else n
         seq.prompt_aux = [aux] if needs_aux and n else []
 

@@ -58,6 +58,19 @@ class Proposal:
         """Each node's parent (0 = the root), for a chain ``[0, 1, ..., k-1]``."""
         return self.parents if self.parents is not None else list(range(len(self.tokens)))
 
+    def within(self, budget: int, max_nodes: int) -> Proposal:
+        """The engine's guard against drafter bugs: a chain longer than ``budget`` is :meth:`cut`; a tree deeper
+        than ``budget`` or larger than ``max_nodes`` is dropped (nothing may break max_tokens or max_model_len).
+        The lookup fields (cache hit, fan-out, fitted r) are kept either way."""
+        if self.parents is None:
+            return self if len(self.tokens) <= budget else self.cut(budget)
+        depth = [0]
+        for parent in self.parents:
+            depth.append(depth[parent] + 1)
+        if max(depth) <= budget and len(self.tokens) <= max_nodes:
+            return self
+        return replace(self, tokens=[], q=None, parents=None, hidden=None)
+
     def cut(self, budget: int) -> Proposal:
         """At most ``budget`` tokens of a chain; a tree keeps the nodes at depth <= ``budget``."""
         if self.parents is None:

@@ -314,7 +314,7 @@ class LLMEngine:
         budgets = self.planner.plan(seqs, budgets, self.stats) if self.planner is not None else budgets
         # called even with zero budgets: stateful drafters track every round
         proposals = self._call_drafter("propose", seqs, budgets) or [Proposal([]) for _ in seqs]
-        proposals = [self._within_budget(p, b) for p, b in zip(proposals, budgets)]
+        proposals = [p.within(b, self.max_draft_tokens) for p, b in zip(proposals, budgets)]
         t1 = time.perf_counter()
         slots, starts = [s.slot for s in seqs], [s.num_cached for s in seqs]
         if any(p.parents is not None for p in proposals):
@@ -343,7 +343,7 @@ class LLMEngine:
             seq.num_cached += k + 1
             for stats in (seq.stats, self.stats):
                 stats.record_round(len(p.tokens), k, emitted)
-                if p.cache_hit is not None:
+                if p.cache_hit is not None and p.tokens:  # a planned-off round's cache answer goes unused
                     stats.record_lookup(p.lookup_k, p.cache_hit, emitted, t1 - t0, p.fanout, p.fanout_power)
             seq.stats.draft_time += t1 - t0
             seq.stats.verify_time += t2 - t1
@@ -357,20 +357,6 @@ class LLMEngine:
             if out is not None:
                 return RunnerOutput(out["logits"], out.get("aux_hidden"), None)
         return self.target.forward(batch, capture_aux=self.needs_aux)
-
-    def _within_budget(self, p: Proposal, budget: int) -> Proposal:
-        """Guard against drafter bugs: a chain is cut to ``budget`` tokens; a tree deeper than ``budget`` or
-        larger than ``max_draft_tokens`` is dropped (nothing may break max_tokens or max_model_len)."""
-        if p.parents is None:
-            if len(p.tokens) <= budget:
-                return p
-            return Proposal(p.tokens[:budget], None if p.q is None else p.q[:budget], p.cache_hit, p.lookup_k)
-        depth = [0]
-        for parent in p.parents:
-            depth.append(depth[parent] + 1)
-        if max(depth) <= budget and len(p.tokens) <= self.max_draft_tokens:
-            return p
-        return Proposal([], None, p.cache_hit, p.lookup_k)
 
     def _verify(self, seqs: list[Sequence], proposals: list[Proposal],
                 logits: torch.Tensor) -> tuple[list[list[int]], list[int]]:
