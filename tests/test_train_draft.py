@@ -398,7 +398,7 @@ def test_offline_features_are_incremental_and_equal_online(tiny_setup, tmp_path)
 # ----------------------------------------------------------------------------------------------------------------
 # the one end-to-end deepspeed launch
 
-def test_deepspeed_launch_trains_resumes_and_exports(tiny_setup, tmp_path):
+def test_deepspeed_launch_trains_resumes_and_exports(tiny_setup, tmp_path, capsys):
     """The README command, ``deepspeed --num_gpus 1 train/train_draft.py --config ...``, on a tiny offline config
     from an empty folder: the trainer builds its features and held-out set itself (``train.prepare``), the loss
     falls below 0.8x its start (fixed seed), TensorBoard gets the curves; the run then resumes from its latest
@@ -436,8 +436,10 @@ def test_deepspeed_launch_trains_resumes_and_exports(tiny_setup, tmp_path):
     assert list((out / "tensorboard").glob("events.out.tfevents.*"))
     built = {p: p.stat().st_mtime_ns for p in [*indexes, held]}
 
+    capsys.readouterr()
     trainer, result = run_trainer(**dict(values, max_steps=44))
     assert trainer.state["step"] == 44 and result["step"] == 44
+    assert "at step 40 of 44" in capsys.readouterr().err  # the resume is announced
     assert {p: p.stat().st_mtime_ns for p in [*feats.glob("index-*.json"), held]} == built  # reused, not rebuilt
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records if "loss" in r][40:] == [41, 42, 43, 44]

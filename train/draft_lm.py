@@ -185,7 +185,7 @@ def save_draft_lm(config: LlamaConfig, trained: dict[str, torch.Tensor], out_dir
     with atomic_write(out, folder=True) as tmp:
         if compact:
             cfg = copy.deepcopy(config)
-            cfg.torch_dtype = str(dtype).removeprefix("torch.")
+            cfg.dtype = str(dtype).removeprefix("torch.")  # (transformers 5: `torch_dtype` is deprecated)
             doc = cfg.to_dict()
             doc["ssd_eagle"] = {"shared_from_target": {
                 "tensors": [EMBED_NAME] + ([] if config.tie_word_embeddings else [HEAD_NAME]),

@@ -194,6 +194,11 @@ class Trainer:
                       "last_heldout": None}
         if self.resume_dir is not None:
             self._resume()
+            if self.rank == 0:  # a resume is never silent (a rerun with the same output_dir continues it)
+                done = self.state["step"] >= self.total_steps
+                print(f"resumed {self.resume_dir} at step {self.state['step']} of {self.total_steps}"
+                      + (": nothing left to train (raise max_steps/epochs, or resume=false or another output_dir "
+                         "to start over)" if done else ""), file=sys.stderr, flush=True)
 
     # --- setup --------------------------------------------------------------------------------------------
     def _build_draft(self) -> nn.Module:
