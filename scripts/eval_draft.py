@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 from pathlib import Path
 
@@ -107,7 +108,7 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--limit", type=int, default=None, help="prompts per split (default: all held-out)")
     ap.add_argument("--batch", type=int, default=8)
-    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: the cores this process may use)")
     ap.add_argument("--json", default=None, help="also write the table here")
     ap.add_argument("--curve", action="append", default=[], metavar="RUN_DIR",
                     help="write RUN_DIR/learning_curve.png from a training run's metrics.jsonl (repeatable)")
@@ -124,7 +125,7 @@ def main() -> None:
     if args.no_eval:
         return
 
-    torch.set_num_threads(args.threads)
+    torch.set_num_threads(args.threads or len(os.sched_getaffinity(0)))
     dtype = resolve_dtype(args.dtype, "cpu")
     model, tokenizer = load_model(args.model, dtype=dtype)
     ks = [int(k) for k in str(args.k).split(",")]
