@@ -100,6 +100,7 @@ def main() -> None:
     ap.add_argument("--draft", action="append", default=[], metavar="METHOD=PATH",
                     help="a draft to evaluate: eagle3=PATH or draft_model=PATH (repeatable)")
     ap.add_argument("--k", default="5", help="draft tokens per round, or a comma list (3,5,7)")
+    ap.add_argument("--no-ngram", action="store_true", help="leave out the n-gram baseline")
     ap.add_argument("--hit-curve", action="store_true",
                     help="also the SSD bonus-candidate hit rate at F = 1..8 (a chain served by SSD, first K)")
     ap.add_argument("--teacher-forced", default=None, metavar="HELDOUT_JSONL",
@@ -129,7 +130,7 @@ def main() -> None:
     dtype = resolve_dtype(args.dtype, "cpu")
     model, tokenizer = load_model(args.model, dtype=dtype)
     ks = [int(k) for k in str(args.k).split(",")]
-    specs = {"ngram": SpeculativeConfig(method="ngram", num_speculative_tokens=ks[0])}
+    specs = {} if args.no_ngram else {"ngram": SpeculativeConfig(method="ngram", num_speculative_tokens=ks[0])}
     for item in args.draft:
         method, path = item.split("=", 1)
         specs[f"{method}:{path}"] = SpeculativeConfig(method=method, model=path, num_speculative_tokens=ks[0])
@@ -137,7 +138,7 @@ def main() -> None:
               for split in ("mtbench", "humaneval")}
     if args.node_table:
         every = [p for prompts in splits.values() for p in prompts]
-        for name, spec in list(specs.items())[1:]:
+        for name, spec in [(n, s) for n, s in specs.items() if s.method != "ngram"]:
             ssd = {**spec.to_dict(), "speculator": "local", "fanout_budget": args.fanout_budget}
             tree = {"tree_budget": args.tree_budget, "tree_depth": args.k, "tree_topk": args.tree_topk}
             chain = {"fanout_strategy": "geometric"}
