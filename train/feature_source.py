@@ -26,7 +26,7 @@ class FeatureSource:
     """This rank's training samples and the held-out set.
 
     Attributes:
-        lengths: token count of each of this rank's samples (what :func:`train.train_draft.epoch_batches` groups).
+        lengths: token count of each of this rank's samples (what :func:`train.schedule.epoch_batches` groups).
         get_sample: sample ``i`` of this rank (a tokenized row online, a feature row offline).
         token_rows: iterate this rank's ``{"input_ids", "loss_mask"}`` rows (for the draft-vocabulary count).
         stats: data statistics recorded in checkpoints and model cards (``source``, ``num_conversations``, ...).

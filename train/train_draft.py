@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import json
 import math
-import random
 import sys
 import time
 from dataclasses import asdict
@@ -44,6 +43,7 @@ from train.config import TrainConfig, deepspeed_config, parse_args, save_config,
 from train.distributed import accelerator_device, all_reduce, init_distributed
 from train.feature_source import load_feature_source
 from train.prepare import ensure_features, ensure_heldout
+from train.schedule import epoch_batches, lr_lambda
 from train.tracking import MetricsWindow, Tracker
 from train.ttt import (
     AcceptanceStats,
@@ -88,35 +88,6 @@ class DraftLMTrainable(nn.Module):
         hidden = self.body(inputs_embeds.to(self.body.model.norm.weight.dtype))
         with torch.autocast(hidden.device.type, enabled=False):  # the fused KL keeps float32 for its backward
             return kl_loss(hidden, target_hidden, lm_head_weight, loss_mask)
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# batching
-
-def epoch_batches(lengths: list[int], batch_size: int, seed: int, epoch: int) -> list[list[int]]:
-    """Micro-batches of sample indices for one epoch: shuffled, grouped by similar length (within windows of
-    ``64 * batch_size``) to limit padding, batch order shuffled; deterministic in ``(seed, epoch)``."""
-    rng = random.Random(seed * 1_000_003 + epoch)
-    order = list(range(len(lengths)))
-    rng.shuffle(order)
-    window = 64 * batch_size
-    batches = []
-    for i in range(0, len(order), window):
-        chunk = sorted(order[i:i + window], key=lambda j: lengths[j])
-        batches += [chunk[k:k + batch_size] for k in range(0, len(chunk), batch_size)]
-    batches = [b for b in batches if len(b) == batch_size]
-    rng.shuffle(batches)
-    return batches
-
-
-def lr_lambda(warmup: int, total: int, min_ratio: float):
-    """Linear warmup over ``warmup`` steps, then cosine decay to ``min_ratio`` at ``total``."""
-    def f(step: int) -> float:
-        if warmup and step < warmup:
-            return (step + 1) / warmup
-        progress = min(1.0, (step - warmup) / max(1, total - warmup))
-        return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
-    return f
 
 
 # ----------------------------------------------------------------------------------------------------------------
