@@ -221,7 +221,9 @@ def test_ssd_starts_after_deepspeed_made_the_default_process_group(byte_tokenize
         deepspeed.init_distributed(dist_backend="gloo")
     assert dist.is_initialized()
     target = make_tiny_llama(seed=3)
-    with LLM(engine=ssd_engine(target, noisy_copy(target, 0.02), byte_tokenizer, speculator="process")) as llm:
+    # unplanned: the planner may switch a tiny model's SSD off after two rounds (its lookups then count nothing)
+    with LLM(engine=ssd_engine(target, noisy_copy(target, 0.02), byte_tokenizer, speculator="process",
+                               adaptive=False)) as llm:
         _greedy_outputs_match(llm, target, random_prompts(2, seed=6))
         assert llm.engine.stats.cache_hits > 0
 
