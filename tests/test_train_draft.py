@@ -25,6 +25,7 @@ from train.ttt import (
     draft_lm_hits,
     draft_targets,
     eagle3_hits,
+    feature_fed_hits,
     simulate_acceptance,
     soft_cross_entropy,
     ttt_attention_mask,
@@ -199,6 +200,16 @@ def test_chain_masks_and_hits_layout():
     draft_argmax[1, 0, 1] = 9
     assert eagle3_hits(draft_argmax, d2t_ids, ids)[0, 1].tolist() == [True, True]
     assert not eagle3_hits(draft_argmax, d2t_ids, ids)[0, 2].any()
+
+
+def test_feature_fed_hits_take_step_zero_of_the_later_rows():
+    hits = torch.zeros(1, 5, 3, dtype=torch.bool)
+    hits[0, :, 0] = torch.tensor([True, False, True, True, False])
+    hits[0, 0, 1:] = True  # the self-fed steps of row 0 are ignored
+    fed = feature_fed_hits(hits)[0]
+    assert fed[0].tolist() == [True, False, True]  # row 0: step 0 at rows 0, 1, 2
+    assert fed[2].tolist() == [True, True, False]
+    assert fed[4].tolist() == [False, False, False]  # past the end
 
 
 def test_simulate_acceptance_walk():
@@ -560,3 +571,22 @@ def test_every_step_of_the_engine_chain_equals_the_ttt_unroll(byte_tokenizer):
         assert steps == proposal
         compared += len(proposal) - 1
     assert compared >= 2 * len(log)  # most rounds drafted the full chain: the later steps were compared
+
+
+def test_teacher_forced_estimate_runs_in_the_requested_dtype(tiny_setup, tmp_path):
+    """The held-out estimate runs target and head in the serving dtype (it ran float32 whatever the server used)
+    and reports the tau of chains fed the target's features next to the real chains'."""
+    from transformers import AutoConfig
+
+    from ssd_eagle.models.eagle3_formats import save_eagle3
+    from train.heldout import estimate_tau
+
+    cfg = Eagle3Config.from_target(AutoConfig.from_pretrained(tiny_setup["target"]), 24)
+    torch.manual_seed(0)
+    save_eagle3(Eagle3DraftModel(cfg), tmp_path / "head")
+    results = {dtype: estimate_tau(tmp_path / "head", tiny_setup["heldout"], target=tiny_setup["target"],
+                                   num_draft=3, dtype=dtype, progress=False) for dtype in ("float64", "bfloat16")}
+    for dtype, r in results.items():
+        assert r["dtype"] == dtype and r["kind"] == "eagle3" and r["samples"] == 3
+        assert 1.0 <= r["tau"] <= 4.0 and 1.0 <= r["feature_fed_tau"] <= 4.0
+    assert results["float64"]["rounds"] > 0
