@@ -23,6 +23,12 @@ often the bonus was among the candidates stored there, and the histogram of the 
 candidates there (last column: past them).
 
     python scripts/eval_draft.py --draft eagle3=drafts/smollm2-135m-eagle3 --node-table --limit 4 --max-tokens 64
+
+``--step-agreement`` checks that the engine drafts what training taught: for each EAGLE-3 draft, the share of the
+engine's chain tokens at step i (K = the first ``--k``, held-out MT-Bench, T = 0) equal to the argmax of the TTT
+unroll's step i on the same text, over the steps up to the first rejection (:func:`step_agreement`).
+
+    python scripts/eval_draft.py --draft eagle3=drafts/smollm2-135m-eagle3 --step-agreement --limit 20 --max-tokens 64
 """
 
 from __future__ import annotations
@@ -60,6 +66,48 @@ def evaluate(model, tokenizer, spec: SpeculativeConfig, prompts: list[list[int]]
             "tokens": s.num_emitted, "seconds": round(time.perf_counter() - start, 1),
             "accepted_per_position": [round(sum(a >= i for a in s.accepted_lengths) / max(s.num_rounds, 1), 3)
                                       for i in range(1, k + 1)]}
+
+
+def step_agreement(model, tokenizer, spec: SpeculativeConfig, prompts: list[list[int]], max_tokens: int) -> dict:
+    """The engine's EAGLE-3 chains against the training-time unroll on the same text, token by token.
+
+    Serves ``prompts`` one at a time (chain, T = 0) recording every round's proposal, then runs
+    :func:`train.ttt.ttt_unroll` over prompt + answer with the target's features of that text: step ``i`` at row
+    ``t = len(committed) - 2`` is fed the text's tokens, which equal the engine's drafts up to the first rejection,
+    so steps ``0 .. accepted`` are compared (``agreement[i]`` over ``compared[i]`` rounds; None where no round
+    reached step i).
+    """
+    from train.features import TargetFeatureExtractor
+    from train.ttt import ttt_unroll
+
+    k = spec.num_speculative_tokens
+    drafter = build_drafter(spec, model, 1, 4096 + 64)
+    head, rounds, propose = drafter.head, [], drafter.propose
+
+    def recording(seqs, budgets):
+        proposals = propose(seqs, budgets)
+        rounds.append((len(seqs[0].token_ids), list(proposals[0].tokens)))
+        return proposals
+
+    drafter.propose = recording
+    engine = LLMEngine(model, tokenizer, drafter, num_speculative_tokens=k, max_num_seqs=1, max_model_len=4096)
+    extractor = TargetFeatureExtractor(model, head.config.aux_layer_ids, 1, 4096 + 64)
+    agree, compared = [0] * k, [0] * k
+    for prompt in prompts:
+        rounds.clear()
+        out = LLM(engine=engine).generate([prompt], SamplingParams(temperature=0.0, max_tokens=max_tokens))[0]
+        ids = list(prompt) + list(out.outputs[0].token_ids)
+        batch = extractor([{"input_ids": ids, "loss_mask": [1] * len(ids)}])
+        with torch.inference_mode():
+            steps = [head.draft_to_target(head.compute_logits(o.hidden[0]).argmax(-1)).tolist()
+                     for o in ttt_unroll(head, batch.input_ids, batch.aux_hidden, k)]
+        for length, proposal in rounds:
+            for i, token in enumerate(proposal):
+                compared[i] += 1
+                agree[i] += steps[i][length - 2] == token
+                if length + i >= len(ids) or token != ids[length + i]:
+                    break  # drafts after the first rejection were fed tokens the text does not have
+    return {"agreement": [round(a / c, 4) if c else None for a, c in zip(agree, compared)], "compared": compared}
 
 
 def hit_curve(rows: list[dict]) -> list[float]:
@@ -115,6 +163,8 @@ def main() -> None:
                     help="write RUN_DIR/learning_curve.png from a training run's metrics.jsonl (repeatable)")
     ap.add_argument("--no-eval", action="store_true", help="only write the --curve PNGs")
     ap.add_argument("--node-table", action="store_true", help="SSD per-node hit tables (trees and chains) instead")
+    ap.add_argument("--step-agreement", action="store_true",
+                    help="EAGLE-3 drafts: the engine's proposals against the TTT unroll, per step, instead")
     ap.add_argument("--tree-budget", type=lambda v: v if v == "auto" else int(v), default="auto",
                     help="tree nodes, or auto (ssd_eagle.ssd.branch_trees.AUTO_TREE, whatever --tree-topk says)")
     ap.add_argument("--tree-topk", type=int, default=4)
@@ -150,6 +200,12 @@ def main() -> None:
                 print_node_table(f"{name} {kind} B={args.fanout_budget}", result)
         print(f"\n{describe_line('cpu', dtype)}\nK={args.k} T=0 max_tokens={args.max_tokens} prompts={len(every)}")
         return
+    if args.step_agreement:
+        for name, spec in [(n, s) for n, s in specs.items() if s.method == "eagle3"]:
+            print(name, "engine vs TTT step argmax, mtbench:",
+                  step_agreement(model, tokenizer, spec, splits["mtbench"], args.max_tokens), flush=True)
+        print(f"\n{describe_line('cpu', dtype)}\nK={args.k} T=0 max_tokens={args.max_tokens}")
+        return
     table, extra = {}, {}
     for name, spec in specs.items():
         for split, prompts in splits.items():
@@ -165,8 +221,10 @@ def main() -> None:
                 print(name, split, "SSD hit rate at F = 1..", curve, flush=True)
         if args.teacher_forced and spec.method != "ngram":
             from train.heldout import estimate_tau
-            tf = estimate_tau(spec.model, args.teacher_forced, target=args.model, num_draft=max(ks), progress=False)
-            extra[f"{name}|teacher_forced"] = {k: tf[k] for k in ("tau", "step_accuracy", "samples")}
+            tf = estimate_tau(spec.model, args.teacher_forced, target=args.model, num_draft=max(ks),
+                              dtype=args.dtype, progress=False)
+            extra[f"{name}|teacher_forced"] = {k: tf[k] for k in ("tau", "feature_fed_tau", "step_accuracy",
+                                                                        "samples")}
             print(name, "teacher-forced", extra[f"{name}|teacher_forced"], flush=True)
     print(f"\n{describe_line('cpu', dtype)}\nK={args.k} T=0 max_tokens={args.max_tokens} prompts: "
           + ", ".join(f"{s}={len(p)}" for s, p in splits.items()))

@@ -25,6 +25,7 @@ from train.ttt import (
     draft_lm_hits,
     draft_targets,
     eagle3_hits,
+    feature_fed_hits,
     simulate_acceptance,
     soft_cross_entropy,
     ttt_attention_mask,
@@ -199,6 +200,16 @@ def test_chain_masks_and_hits_layout():
     draft_argmax[1, 0, 1] = 9
     assert eagle3_hits(draft_argmax, d2t_ids, ids)[0, 1].tolist() == [True, True]
     assert not eagle3_hits(draft_argmax, d2t_ids, ids)[0, 2].any()
+
+
+def test_feature_fed_hits_take_step_zero_of_the_later_rows():
+    hits = torch.zeros(1, 5, 3, dtype=torch.bool)
+    hits[0, :, 0] = torch.tensor([True, False, True, True, False])
+    hits[0, 0, 1:] = True  # the self-fed steps of row 0 are ignored
+    fed = feature_fed_hits(hits)[0]
+    assert fed[0].tolist() == [True, False, True]  # row 0: step 0 at rows 0, 1, 2
+    assert fed[2].tolist() == [True, True, False]
+    assert fed[4].tolist() == [False, False, False]  # past the end
 
 
 def test_simulate_acceptance_walk():
@@ -489,13 +500,12 @@ def test_simulated_tau_equals_engine_tau_for_a_draft_lm(byte_tokenizer):
     assert out.stats.num_emitted > out.stats.num_rounds  # drafts were accepted: deep chains were compared
 
 
-def test_teacher_forced_eagle3_drafts_equal_the_engine_proposals(byte_tokenizer):
-    """Row t of the TTT output is the chain the serving drafter proposes after x_{t+1}: its first draft equals the
-    engine's, every round, and the simulated rounds equal the engine's."""
+def _recorded_eagle3_rounds(byte_tokenizer, k: int):
+    """A random float64 head served by the engine at T = 0 on a tiny target: (head, extractor, the rounds'
+    ``(committed token ids, proposal)``, the request's output, the full token ids)."""
     from ssd_eagle.drafters.eagle3 import Eagle3Drafter
     from train.features import TargetFeatureExtractor
 
-    k = 3
     target = make_tiny_llama(num_layers=8, seed=4)
     cfg = Eagle3Config.from_target(target.config, 200, torch_dtype="float64")
     torch.manual_seed(0)
@@ -508,7 +518,7 @@ def test_teacher_forced_eagle3_drafts_equal_the_engine_proposals(byte_tokenizer)
     class Recording(Eagle3Drafter):
         def propose(self, seqs, num_tokens):
             proposals = super().propose(seqs, num_tokens)
-            self.log.append((len(seqs[0].token_ids), list(proposals[0].tokens)))
+            self.log.append((list(seqs[0].token_ids), list(proposals[0].tokens)))
             return proposals
 
     extractor = TargetFeatureExtractor(target, cfg.aux_layer_ids, 1, 512)
@@ -516,17 +526,67 @@ def test_teacher_forced_eagle3_drafts_equal_the_engine_proposals(byte_tokenizer)
     drafter = Recording(head, num_slots=1, max_len=512)
     drafter.log = []
     out = _greedy_rows(target, byte_tokenizer, drafter, [prompt], k)[0]
-    ids = prompt + out.token_ids
-    batch = extractor([{"input_ids": ids, "loss_mask": [0] * len(prompt) + [1] * len(out.token_ids)}])
+    return head, extractor, drafter.log, out, prompt + out.token_ids, len(prompt)
+
+
+def test_teacher_forced_eagle3_drafts_equal_the_engine_proposals(byte_tokenizer):
+    """Row t of the TTT output is the chain the serving drafter proposes after x_{t+1}: its first draft equals the
+    engine's, every round, and the simulated rounds equal the engine's."""
+    k = 3
+    head, extractor, log, out, ids, prompt_len = _recorded_eagle3_rounds(byte_tokenizer, k)
+    batch = extractor([{"input_ids": ids, "loss_mask": [0] * prompt_len + [1] * len(out.token_ids)}])
     with torch.no_grad():
         targets = draft_targets(batch.last_hidden, extractor.lm_head_weight, head.draft_target_ids, head.t2d,
                                 argmax=batch.argmax)
         tf = ttt_loss(head, batch.input_ids, batch.loss_mask, batch.aux_hidden, targets, k, 1.0)
     tokens = head.draft_target_ids[tf.draft_argmax.clamp_min(0)]
-    for length, proposal in drafter.log:  # the round drafts after x_{length-1}: row t = length - 2
+    for context, proposal in log:  # the round drafts after x_{length-1}: row t = length - 2
         if proposal:  # a round with one token left drafts nothing
-            assert int(tokens[0, 0, length - 2]) == proposal[0]
+            assert int(tokens[0, 0, len(context) - 2]) == proposal[0]
     sim = simulate_acceptance(eagle3_hits(tf.draft_argmax, head.draft_target_ids, batch.input_ids)[0],
                               batch.loss_mask[0], k)
     assert (sim.rounds, sim.emitted) == (out.stats.num_rounds, out.stats.num_emitted)
-    assert len(drafter.log) == out.stats.num_rounds
+    assert len(log) == out.stats.num_rounds
+
+
+def test_every_step_of_the_engine_chain_equals_the_ttt_unroll(byte_tokenizer):
+    """Step i of the TTT unroll at row t = len(context) - 2, fed the engine's own drafts as its tokens, is the
+    engine's i-th draft, for every step of every round: the fed-back hidden state (pre-norm output), the rotary
+    positions t + i, the attention over the earlier drafts (diagonal blocks against the engine's cache of the
+    chain) and the feature/token pairing of the committed text are the same in training and serving."""
+    k = 4
+    head, extractor, log, _, ids, _ = _recorded_eagle3_rounds(byte_tokenizer, k)
+    aux = extractor([{"input_ids": ids, "loss_mask": [1] * len(ids)}]).aux_hidden
+    compared = 0
+    for context, proposal in log:
+        if not proposal:
+            continue
+        n = len(context) + len(proposal)
+        chain = torch.tensor([context + proposal])
+        padded = torch.cat([aux[:, : len(context)], aux.new_zeros(1, len(proposal), aux.shape[-1])], dim=1)
+        with torch.no_grad():  # rows <= len(context) - 2 see only the committed text's features
+            outs = ttt_unroll(head, chain, padded[:, :n], len(proposal))
+        t = len(context) - 2
+        steps = [int(head.draft_to_target(head.compute_logits(o.hidden[0, t]).argmax(-1))) for o in outs]
+        assert steps == proposal
+        compared += len(proposal) - 1
+    assert compared >= 2 * len(log)  # most rounds drafted the full chain: the later steps were compared
+
+
+def test_teacher_forced_estimate_runs_in_the_requested_dtype(tiny_setup, tmp_path):
+    """The held-out estimate runs target and head in the serving dtype (it ran float32 whatever the server used)
+    and reports the tau of chains fed the target's features next to the real chains'."""
+    from transformers import AutoConfig
+
+    from ssd_eagle.models.eagle3_formats import save_eagle3
+    from train.heldout import estimate_tau
+
+    cfg = Eagle3Config.from_target(AutoConfig.from_pretrained(tiny_setup["target"]), 24)
+    torch.manual_seed(0)
+    save_eagle3(Eagle3DraftModel(cfg), tmp_path / "head")
+    results = {dtype: estimate_tau(tmp_path / "head", tiny_setup["heldout"], target=tiny_setup["target"],
+                                   num_draft=3, dtype=dtype, progress=False) for dtype in ("float64", "bfloat16")}
+    for dtype, r in results.items():
+        assert r["dtype"] == dtype and r["kind"] == "eagle3" and r["samples"] == 3
+        assert 1.0 <= r["tau"] <= 4.0 and 1.0 <= r["feature_fed_tau"] <= 4.0
+    assert results["float64"]["rounds"] > 0

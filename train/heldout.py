@@ -39,6 +39,7 @@ import torch
 from tqdm.auto import tqdm
 
 from ssd_eagle.io import atomic_write
+from ssd_eagle.platform import DTYPE_HELP, DTYPES, resolve_dtype
 from train.conversations import normalize_conversation
 
 #: Words in the overlap check's n-grams (:func:`find_ngram_overlap`).
@@ -204,15 +205,22 @@ def generate_heldout(out_path: str | os.PathLike, *, model: str | None = None, s
 
 @torch.no_grad()
 def estimate_tau(draft_dir: str | os.PathLike, heldout: str | os.PathLike, *, target: str | None = None,
-                 num_draft: int = 7, limit: int | None = None, max_length: int = 2048, progress: bool = True) -> dict:
+                 num_draft: int = 7, limit: int | None = None, max_length: int = 2048, dtype: str = "auto",
+                 progress: bool = True) -> dict:
     """Teacher-forced greedy acceptance of an exported draft on held-out conversations (module docstring).
 
+    The target and the draft run in ``dtype`` (one of :data:`ssd_eagle.platform.DTYPES`; ``auto`` is what the
+    server picks on this CPU, :func:`ssd_eagle.platform.resolve_dtype`), so the target features and the draft's
+    arithmetic are the serving ones.
+
     Returns:
-        ``{"tau", "rounds", "emitted", "accepted_hist", "step_accuracy", "num_draft", "samples", "kind"}``
-        (``step_accuracy``: :func:`step_accuracy_counts` over all conversations, one float per draft step).
+        ``{"tau", "rounds", "emitted", "accepted_hist", "step_accuracy", "num_draft", "samples", "kind", "dtype",
+        "feature_fed_tau"}`` (``step_accuracy``: :func:`step_accuracy_counts` over all conversations, one float per
+        draft step; ``feature_fed_tau``, EAGLE-3 only: the tau of chains whose every step gets the target's
+        feature, :func:`train.ttt.feature_fed_hits`; None for a draft LM).
 
     Raises:
-        ValueError: ``draft_dir`` is neither an EAGLE-3 export nor a draft LM.
+        ValueError: ``draft_dir`` is neither an EAGLE-3 export nor a draft LM, or an unknown ``dtype``.
 
     ``target`` defaults to the one a compact draft LM records, else the project's default model.
     """
@@ -220,7 +228,8 @@ def estimate_tau(draft_dir: str | os.PathLike, heldout: str | os.PathLike, *, ta
     from train.data import build_dataset, load_conversations
     from ssd_eagle.models.draft_lm import is_compact_draft_lm, load_draft_lm
     from train.features import TargetFeatureExtractor
-    from train.ttt import AcceptanceStats, draft_lm_hits, draft_targets, eagle3_hits, simulate_acceptance, ttt_loss
+    from train.ttt import (AcceptanceStats, draft_lm_hits, draft_targets, eagle3_hits, feature_fed_hits,
+                           simulate_acceptance, ttt_loss)
 
     draft_dir = Path(draft_dir)
     config = json.loads((draft_dir / "config.json").read_text())
@@ -229,14 +238,15 @@ def estimate_tau(draft_dir: str | os.PathLike, heldout: str | os.PathLike, *, ta
 
     recorded = (config.get("ssd_eagle", {}).get("shared_from_target", {}) or {}).get("target")
     target_name = target or recorded or DEFAULT_MODEL
-    target_model, tokenizer = load_model(target_name)
+    torch_dtype = resolve_dtype(dtype, "cpu")
+    target_model, tokenizer = load_model(target_name, dtype=torch_dtype)
     if is_eagle:
         from ssd_eagle.models.eagle3_formats import load_eagle3
-        head = load_eagle3(draft_dir, target_config=target_model.config, dtype=torch.float32)
+        head = load_eagle3(draft_dir, target_config=target_model.config, dtype=torch_dtype)
         head.set_embeddings(target_model.get_input_embeddings())
         aux_ids = head.config.aux_layer_ids
     elif is_compact_draft_lm(draft_dir) or (draft_dir / "model.safetensors").exists():
-        draft = load_draft_lm(draft_dir, target_model)
+        draft = load_draft_lm(draft_dir, target_model, dtype=torch_dtype)
         aux_ids = None
     else:
         raise ValueError(f"{draft_dir}: not an EAGLE-3 export or a draft LM")
@@ -245,6 +255,7 @@ def estimate_tau(draft_dir: str | os.PathLike, heldout: str | os.PathLike, *, ta
                                check_heldout=False, progress=False)
     extractor = TargetFeatureExtractor(target_model, aux_ids, 1, max_length)
     stats = AcceptanceStats(accepted_hist=[0] * (num_draft + 1))
+    fed = AcceptanceStats(accepted_hist=[0] * (num_draft + 1))
     lm_w = target_model.get_output_embeddings().weight
     correct = counted = torch.zeros(num_draft, dtype=torch.long)
     for row in tqdm(dataset, desc="teacher-forced tau", disable=not progress):
@@ -253,6 +264,7 @@ def estimate_tau(draft_dir: str | os.PathLike, heldout: str | os.PathLike, *, ta
             targets = draft_targets(batch.last_hidden, lm_w, head.draft_target_ids, head.t2d, argmax=batch.argmax)
             out = ttt_loss(head, batch.input_ids, batch.loss_mask, batch.aux_hidden, targets, num_draft, 1.0)
             hits = eagle3_hits(out.draft_argmax, head.draft_target_ids, batch.input_ids)
+            fed.merge(simulate_acceptance(feature_fed_hits(hits)[0], batch.loss_mask[0], num_draft))
         else:
             argmax = draft(batch.input_ids).logits.argmax(-1)
             hits = draft_lm_hits(argmax, batch.input_ids, num_draft)
@@ -261,7 +273,8 @@ def estimate_tau(draft_dir: str | os.PathLike, heldout: str | os.PathLike, *, ta
         correct, counted = correct + scored[0], counted + scored[1]
     return {"tau": stats.tau, "rounds": stats.rounds, "emitted": stats.emitted, "accepted_hist": stats.accepted_hist,
             "step_accuracy": [round(c / max(n, 1), 4) for c, n in zip(correct.tolist(), counted.tolist())],
-            "num_draft": num_draft, "samples": len(dataset), "kind": "eagle3" if is_eagle else "draft_lm"}
+            "num_draft": num_draft, "samples": len(dataset), "kind": "eagle3" if is_eagle else "draft_lm",
+            "dtype": str(torch_dtype).removeprefix("torch."), "feature_fed_tau": fed.tau if is_eagle else None}
 
 
 def step_accuracy_counts(hits: torch.Tensor, loss_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -301,6 +314,7 @@ def main(argv: list[str] | None = None) -> None:
     est.add_argument("--target", default=None)
     est.add_argument("--k", type=int, default=7, help="drafts per round")
     est.add_argument("--limit", type=int, default=None)
+    est.add_argument("--dtype", default="auto", choices=DTYPES, help=DTYPE_HELP)
     args = parser.parse_args(argv)
     if args.command == "generate":
         n = generate_heldout(args.out, model=args.model, split=args.split, every=args.every, limit=args.limit,
@@ -308,7 +322,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"wrote {n} held-out conversations to {args.out}")
     else:
         print(json.dumps(estimate_tau(args.draft, args.heldout, target=args.target, num_draft=args.k,
-                                      limit=args.limit)))
+                                      limit=args.limit, dtype=args.dtype)))
 
 
 if __name__ == "__main__":

@@ -355,6 +355,14 @@ def eagle3_hits(draft_argmax: torch.Tensor, draft_target_ids: torch.Tensor, inpu
     return torch.stack([tokens[i] == shift_left(input_ids, 2 + i, -1) for i in range(k)], dim=-1)
 
 
+def feature_fed_hits(hits: torch.Tensor) -> torch.Tensor:
+    """``out[b, t, i] = hits[b, t + i, 0]``: the chain an EAGLE-3 head would draft if every step got the target's
+    feature instead of the head's own output (step 0 at rows ``t .. t + K - 1``): its tau against the real chain's
+    is what self-feeding costs. ``hits`` bool [B, n, K] (:func:`eagle3_hits`) -> bool [B, n, K]; False past the end."""
+    first = hits[..., 0]
+    return torch.stack([shift_left(first, i, False) for i in range(hits.shape[-1])], dim=-1)
+
+
 def draft_lm_hits(argmax: torch.Tensor, input_ids: torch.Tensor, num_steps: int) -> torch.Tensor:
     """``hits[b, t, i]`` for a draft LM: its prediction at position ``t + 1 + i`` is ``x_{t+2+i}``.
 
