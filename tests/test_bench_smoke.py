@@ -96,6 +96,7 @@ def scripts(assets, tmp_path_factory):
 
 def test_bench_decode(scripts):
     out = scripts[0]["bench_decode"].output()
+    assert out.count("native_bf16=") == 1, "the platform header is printed more than once"
     assert "ours n-gram SD" in out and "ratio ours AR / transformers generate" in out
     assert "\nours n-gram SD (planned) " in out and "ratio ours n-gram SD (planned) / ours AR, median over 1" in out
     assert "!" not in out.split("configuration", 1)[1].split("ratio")[0], "a divergence that is not a near tie"
