@@ -396,7 +396,32 @@ def test_offline_features_are_incremental_and_equal_online(tiny_setup, tmp_path)
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# the one end-to-end deepspeed launch
+# the deepspeed launches
+
+def test_deepspeed_launch_on_a_taken_port_moves_to_a_free_one(tmp_path):
+    """``deepspeed --num_gpus 1`` sets ``MASTER_PORT`` to its ``--master_port`` (29500 unless given) even when
+    another run holds that port: the one-process world moves to a free port instead of failing to bind."""
+    import socket
+
+    if shutil.which("deepspeed") is None:
+        pytest.fail("the deepspeed launcher is not installed (pip install deepspeed)")
+    script = tmp_path / "world.py"
+    script.write_text("import os\nfrom train.distributed import init_distributed\n"
+                      "print('world', *init_distributed(), os.environ['MASTER_PORT'], flush=True)\n")
+    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
+    with socket.socket() as other_run:  # a listening socket, like another run's rendezvous store
+        other_run.bind(("", 0))
+        other_run.listen()
+        port = other_run.getsockname()[1]
+        proc = subprocess.run(["deepspeed", "--num_gpus", "1", "--master_port", str(port), str(script)], cwd=REPO,
+                              env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    world = next(line.split() for line in proc.stdout.splitlines() if line.startswith("world "))
+    assert world[1:3] == ["0", "1"] and world[3].isdigit() and int(world[3]) != port, world
+    assert f"MASTER_PORT {port} is taken" in proc.stdout + proc.stderr
+
 
 def test_deepspeed_launch_trains_resumes_and_exports(tiny_setup, tmp_path, capsys):
     """The README command, ``deepspeed --num_gpus 1 train/train_draft.py --config ...``, on a tiny offline config
