@@ -395,6 +395,22 @@ def test_offline_features_are_incremental_and_equal_online(tiny_setup, tmp_path)
     assert torch.equal(sample["argmax"], ref.argmax[0])
 
 
+def test_transformers_loading_bar_follows_the_trainer_progress(tiny_setup, tmp_path, capsys):
+    """transformers prints a "Loading weights" bar on every load; the trainer's ``progress: false`` (and a rank other
+    than 0) hides it for both its loads (float32 and target_dtype), and leaves transformers' setting as it was."""
+    from transformers.utils import logging as hf_logging
+
+    from ssd_eagle.assets import load_model
+
+    assert hf_logging.is_progress_bar_enabled()
+    load_model(tiny_setup["target"])
+    assert "Loading weights" in capsys.readouterr().err  # (what would be hidden)
+    run_trainer(**tiny_config(tiny_setup, tmp_path / "run", max_steps=1, save_every=1, eval_every=1,
+                              target_dtype="bfloat16", progress=False))
+    assert "Loading weights" not in capsys.readouterr().err
+    assert hf_logging.is_progress_bar_enabled()
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # the deepspeed launches
 

@@ -121,14 +121,16 @@ class Trainer:
         amp = resolve_dtype(cfg.autocast, self.device) if cfg.autocast else torch.float32
         self.autocast_dtype = amp if amp != torch.float32 else None  # "auto" on a CPU without native bf16: off
 
-        self.target, self.tokenizer = load_model(cfg.target, dtype=torch.float32, device=self.device)
+        shown = cfg.progress and self.rank == 0  # transformers' "Loading weights" bar follows ours
+        self.target, self.tokenizer = load_model(cfg.target, dtype=torch.float32, device=self.device, progress=shown)
         self.target.requires_grad_(False)
         self.target_embed = self.target.get_input_embeddings()
         self.lm_head_weight = self.target.get_output_embeddings().weight.detach()
         # the features come from the target in the serving dtype (cfg.target_dtype); the float32 copy above keeps the
         # embeddings, the soft labels' lm_head and the draft LM's initial layers exact
         self.feature_target = self.target if cfg.target_dtype == "float32" else load_model(
-            cfg.target, dtype=getattr(torch, cfg.target_dtype), device=self.device)[0].requires_grad_(False)
+            cfg.target, dtype=getattr(torch, cfg.target_dtype), device=self.device,
+            progress=shown)[0].requires_grad_(False)
         num_layers = self.target.config.get_text_config().num_hidden_layers
 
         self.resume_dir = ckpt.latest_checkpoint(self.ckpt_root) if cfg.resume else None
