@@ -376,7 +376,8 @@ def test_offline_features_are_incremental_and_equal_online(tiny_setup, tmp_path)
     first = precompute(config_from_dict(dict(values, data=str(half))), run="a")
     assert first["samples"] == 10 and first["skipped"] == 0
     with pytest.raises(ValueError, match="have no features"):  # what the trainer's own build (train.prepare) fills
-        load_feature_source(config_from_dict(values), trainer_target, tokenizer, None, 0, 1, torch.device("cpu"))
+        load_feature_source(config_from_dict(values), trainer_target.config.get_text_config(), lambda: trainer_target,
+                            tokenizer, None, 0, 1, torch.device("cpu"))
     second = precompute(config_from_dict(values), run="b")
     assert second["skipped"] == 10 and second["samples"] == len(lines) - 10
     assert precompute(config_from_dict(values), run="c")["index"] is None  # nothing left to do
@@ -393,6 +394,32 @@ def test_offline_features_are_incremental_and_equal_online(tiny_setup, tmp_path)
     torch.testing.assert_close(sample["aux_hidden"], ref.aux_hidden[0])
     torch.testing.assert_close(sample["last_hidden"], ref.last_hidden[0])
     assert torch.equal(sample["argmax"], ref.argmax[0])
+
+
+def test_offline_training_loads_the_feature_target_only_when_a_forward_needs_it(tiny_setup, tmp_path, monkeypatch):
+    """Offline with ``target_dtype: bfloat16``: the trainer always loads the float32 target (embeddings, soft
+    labels, draft-LM init); the bfloat16 one only to compute missing features or the held-out set's, and drops it
+    once they are made; on precomputed features without a held-out set it never loads it."""
+    import ssd_eagle.assets
+
+    loaded = []
+    real_load = ssd_eagle.assets.load_model
+
+    def recording_load(name, dtype=torch.float32, **kw):
+        loaded.append(dtype)
+        return real_load(name, dtype=dtype, **kw)
+
+    monkeypatch.setattr(ssd_eagle.assets, "load_model", recording_load)
+    values = tiny_config(tiny_setup, tmp_path / "run", mode="offline", features_dir=str(tmp_path / "features"),
+                         feature_dtype="float32", target_dtype="bfloat16", max_steps=1, save_every=1, eval_every=1)
+    trainer, _ = run_trainer(**values)  # builds the features and the held-out features
+    assert loaded == [torch.float32, torch.bfloat16] and trainer.data.heldout and trainer._feature_model is None
+    loaded.clear()
+    trainer, result = run_trainer(**dict(values, heldout_samples=0, output_dir=str(tmp_path / "run2")))
+    assert loaded == [torch.float32] and result["step"] == 1 and not trainer.data.heldout
+    loaded.clear()
+    trainer, _ = run_trainer(**dict(values, mode="online", output_dir=str(tmp_path / "run3")))
+    assert loaded == [torch.float32, torch.bfloat16] and trainer.data.extractor.runner.model is trainer.feature_target()
 
 
 def test_transformers_loading_bar_follows_the_trainer_progress(tiny_setup, tmp_path, capsys):
