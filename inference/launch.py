@@ -123,6 +123,9 @@ def main(argv: list[str] | None = None) -> int:
             finally:
                 session.close()
         else:
+            from transformers.utils import logging as hf_logging
+
+            hf_logging.disable_progress_bar()  # (rank 0 prints; inference.serve turns the bars off there too)
             signal.signal(signal.SIGINT, signal.SIG_IGN)
             signal.signal(signal.SIGTERM, signal.SIG_IGN)
             run_follower(topo)

@@ -5,7 +5,9 @@
     python -m inference.serve --config configs/serve.yaml       # flags from YAML; command-line flags win
     python -m inference.serve --mode ar --port 8001 --api-key "$KEY" --served-model-name smol
 
-Engine flags are those of ``inference.generate``. Logs are JSON lines on stderr. The port is bound before the
+Engine flags are those of ``inference.generate``. Logs are JSON lines on stderr; start-up logs each stage with its
+seconds (``startup_stage``: target load, draft load, speculator start, engine set-up, the planner's cost model;
+:mod:`ssd_eagle.engine.factory`) and ``serving`` carries the total (``startup_s``). The port is bound before the
 model loads (a port in use fails at once, exit code 2). SIGTERM (or Ctrl-C) drains: the socket stays open, new
 requests get 503 with ``Retry-After``, ``/health`` says ``draining`` and ``/ready`` 503, in-flight requests finish
 (up to ``--graceful-timeout`` s), then the engine and its speculator are closed and the process exits 0; when the
@@ -25,6 +27,7 @@ import logging
 import os
 import socket
 import sys
+import time
 from typing import Literal
 
 from pydantic import Field
@@ -168,6 +171,7 @@ def _draining_server(config, async_engine, graceful_timeout: float):
 
 
 def main(argv: list[str] | None = None) -> int:
+    started = time.perf_counter()
     args = parse_args(argv)
     configure_logging(args.log_level)
     startup, engine, sock = StartupSignals(log), None, None  # (from here a signal ends the startup cleanly)
@@ -186,6 +190,8 @@ def main(argv: list[str] | None = None) -> int:
                     "event": "bind_failed", "host": args.host, "port": args.port, "error": str(err)}})
                 return 2
             config = engine_config_from_args(args)
+            log.info("building the engine", extra={"fields": {"event": "startup", "model": config.model,
+                                                              "mode": config.mode}})
             engine = build_engine(config)
     except (ValueError, FileNotFoundError) as err:
         sock.close()
@@ -213,6 +219,7 @@ def main(argv: list[str] | None = None) -> int:
                                           "model": args.model, "mode": engine.mode_name,
                                           "max_model_len": engine.max_model_len, "max_num_seqs": engine.max_num_seqs,
                                           "auth": bool(args.api_key),
+                                          "startup_s": round(time.perf_counter() - started, 3),
                                           **describe(engine.target.device, engine.target.dtype)}})
     if startup.pending is not None:  # a signal since the load: start, drain (nothing is in flight) and exit
         server.handle_exit(startup.pending, None)

@@ -85,8 +85,7 @@ def main() -> None:
 
     torch.set_num_threads(args.threads)
     dtype = resolve_dtype(args.dtype, "cpu")
-    platform_line = describe_line("cpu", dtype)
-    print(platform_line, flush=True)
+    print(describe_line("cpu", dtype), flush=True)  # the header, once: before the long warm-up
     model, tokenizer = load_model(args.model, dtype=dtype)
     prompts = [render_chat(tokenizer, p["messages"])
                for split in ("mtbench", "humaneval") for p in heldout_prompts(split)[: args.prompts]]
@@ -128,11 +127,11 @@ def main() -> None:
                     stats[name].append(s)
             rates[name].append(tokens / seconds)
             outputs.setdefault(name, outs)
-    report(args, platform_line, rates, stats, outputs, top2)
+    report(args, rates, stats, outputs, top2)
 
 
-def report(args, platform_line, rates, stats, outputs, top2) -> None:
-    print(f"{platform_line}\nmodel={args.model} prompts={len(outputs['ours AR'])} max_tokens={args.max_tokens} "
+def report(args, rates, stats, outputs, top2) -> None:
+    print(f"model={args.model} prompts={len(outputs['ours AR'])} max_tokens={args.max_tokens} "
           f"repeats={args.repeats} threads={args.threads} K={args.k}")
     print(f"{'configuration':32s} {'tokens/s':>9s} {'spread':>15s} {'xAR':>5s} {'tau':>5s} {'V ms':>6s} "
           f"{'D ms':>6s} {'bound':>5s} {'div':>5s}")

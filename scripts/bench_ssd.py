@@ -105,7 +105,8 @@ def configs(args) -> dict[str, Config]:
     K, B = args.k, args.budget
     lm_spec = {"method": "draft_model", "model": lm, "num_speculative_tokens": K}
     e3 = {"method": "eagle3", "model": head, "num_speculative_tokens": K}
-    tree = {"tree_budget": args.tree_budget, "tree_depth": K, "tree_topk": args.tree_topk}
+    tree = {"tree_budget": args.tree_budget, "tree_depth": K,
+            **({"tree_topk": args.tree_topk} if args.tree_topk else {})}
     uniform = {"fanout_strategy": "uniform", "fanout_budget": B}
     geometric = {"fanout_strategy": "geometric", "fanout_budget": B, "fanout_acceptance": args.acceptance,
                  "fanout_power": args.power}
@@ -235,8 +236,9 @@ def main() -> None:
                     help="F of the issue-7 comparison (default: the Saguaro-aware head's, else 3)")
     ap.add_argument("--repeats", type=int, default=1,
                     help="interleaved passes over the configurations (median tok/s; the planner's median ratio to AR)")
-    ap.add_argument("--tree-budget", type=int, default=16)
-    ap.add_argument("--tree-topk", type=int, default=4)
+    ap.add_argument("--tree-budget", type=lambda v: v if v == "auto" else int(v), default="auto",
+                    help="tree nodes of the *_tree rows, or auto (the serving default, AUTO_TREE)")
+    ap.add_argument("--tree-topk", type=int, default=None, help="expansions per level (default: auto's, else 4)")
     ap.add_argument("--out", default=str(ROOT / "runs/bench_ssd"))
     ap.add_argument("--first-core", type=int, default=0,
                     help="pin from this one of the allowed cores on (one-core configurations use only it; a shared "
@@ -403,7 +405,12 @@ def planner_check(rows, by) -> None:
 
 
 def plot_hit_rate(ranks: dict[str, list[int]], out_dir: Path) -> None:
-    """Bonus-token hit rate against the fan-out F from the observed ranks, with the fitted power law."""
+    """Bonus-token hit rate against the fan-out F from the observed ranks, with the fitted power law (no PNG when no
+    SSD row recorded 10 ranks)."""
+    ranks = {name: r for name, r in ranks.items() if len(r) >= 10}
+    if not ranks:
+        print(f"wrote {out_dir / 'results.csv'}; no hit-rate plot: no SSD row recorded 10 bonus-token ranks")
+        return
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -411,8 +418,6 @@ def plot_hit_rate(ranks: dict[str, list[int]], out_dir: Path) -> None:
     fig, ax = plt.subplots(figsize=(6, 4))
     fits = {}
     for name, r in ranks.items():
-        if len(r) < 10:
-            continue
         fs, hits = hit_rate_by_rank(r, 16)
         ax.plot(fs, hits, "o", label=f"{name} (measured)")
         try:

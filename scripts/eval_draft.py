@@ -166,8 +166,8 @@ def main() -> None:
     ap.add_argument("--step-agreement", action="store_true",
                     help="EAGLE-3 drafts: the engine's proposals against the TTT unroll, per step, instead")
     ap.add_argument("--tree-budget", type=lambda v: v if v == "auto" else int(v), default="auto",
-                    help="tree nodes, or auto (ssd_eagle.ssd.branch_trees.AUTO_TREE, whatever --tree-topk says)")
-    ap.add_argument("--tree-topk", type=int, default=4)
+                    help="tree nodes, or auto (ssd_eagle.ssd.branch_trees.AUTO_TREE)")
+    ap.add_argument("--tree-topk", type=int, default=None, help="expansions per level (default: auto's, else 4)")
     ap.add_argument("--fanout-budget", type=int, default=24)
     args = ap.parse_args()
 
@@ -190,7 +190,8 @@ def main() -> None:
         every = [p for prompts in splits.values() for p in prompts]
         for name, spec in [(n, s) for n, s in specs.items() if s.method != "ngram"]:
             ssd = {**spec.to_dict(), "speculator": "local", "fanout_budget": args.fanout_budget}
-            tree = {"tree_budget": args.tree_budget, "tree_depth": args.k, "tree_topk": args.tree_topk}
+            tree = {"tree_budget": args.tree_budget, "tree_depth": args.k,
+                    **({"tree_topk": args.tree_topk} if args.tree_topk else {})}
             chain = {"fanout_strategy": "geometric"}
             for kind, extra in (("tree", tree), ("chain", chain)):
                 config = SpeculativeConfig(**{**ssd, **extra})

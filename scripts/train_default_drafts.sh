@@ -7,14 +7,21 @@
 #      would then build them three times at once.
 #   3. the EAGLE-3 head, the Saguaro-aware EAGLE-3 head (issue 7) and the draft LM, trained with DeepSpeed
 #      (CPU: gloo; GPUs: unchanged)
-#   4. exports into drafts/ (bf16; the draft LM compact: its trained tensors only) and a tau estimate of each
+#   4. exports into OUT_DIR (bf16; the draft LM compact: its trained tensors only) and a tau estimate of each
 # Needs data/smollm2-135m/regenerated.jsonl.gz (scripts/regenerate_data.py). Extra arguments go to the feature
 # build and every training run (e.g. --max_steps 200 --autocast auto). NUM_GPUS (default 1) ranks per run;
-# PARALLEL=1 trains the three drafts at once.
+# PARALLEL=1 trains the three drafts at once. OUT_DIR (default runs/default-drafts) receives the exported drafts:
+# the committed drafts/ folders are never written. Promote one after comparing its tau with the committed one's
+# (drafts/<name>/README.md), e.g.
+#   rm -r drafts/smollm2-135m-eagle3 && cp -r runs/default-drafts/smollm2-135m-eagle3 drafts/ && git add drafts/
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 NUM_GPUS=${NUM_GPUS:-1}
+OUT_DIR=${OUT_DIR:-runs/default-drafts}
+case "$(realpath -m "$OUT_DIR")/" in
+  "$(realpath -m drafts)"/*) echo "OUT_DIR=$OUT_DIR is inside drafts/: export elsewhere, then promote" >&2; exit 1 ;;
+esac
 EAGLE=configs/smollm2-135m-eagle3.yaml
 DRAFTLM=configs/smollm2-135m-draftlm.yaml
 SAGUARO=configs/smollm2-135m-eagle3-saguaro.yaml
@@ -37,10 +44,12 @@ else
   done
 fi
 
-python -m train.export runs/smollm2-135m-eagle3 drafts/smollm2-135m-eagle3 --dtype bfloat16
-python -m train.export runs/smollm2-135m-draftlm drafts/smollm2-135m-draftlm --dtype bfloat16 --compact
-python -m train.export runs/smollm2-135m-eagle3-saguaro drafts/smollm2-135m-eagle3-saguaro --dtype bfloat16
+python -m train.export runs/smollm2-135m-eagle3 "$OUT_DIR/smollm2-135m-eagle3" --dtype bfloat16
+python -m train.export runs/smollm2-135m-draftlm "$OUT_DIR/smollm2-135m-draftlm" --dtype bfloat16 --compact
+python -m train.export runs/smollm2-135m-eagle3-saguaro "$OUT_DIR/smollm2-135m-eagle3-saguaro" --dtype bfloat16
 
-python -m train.heldout estimate --draft drafts/smollm2-135m-eagle3 --heldout "$HELDOUT" --k 7
-python -m train.heldout estimate --draft drafts/smollm2-135m-draftlm --heldout "$HELDOUT" --k 7
-python -m train.heldout estimate --draft drafts/smollm2-135m-eagle3-saguaro --heldout "$HELDOUT" --k 7
+for name in smollm2-135m-eagle3 smollm2-135m-draftlm smollm2-135m-eagle3-saguaro; do
+  python -m train.heldout estimate --draft "$OUT_DIR/$name" --heldout "$HELDOUT" --k 7
+done
+echo "exported to $OUT_DIR/; to promote one (after comparing its tau with drafts/<name>/README.md's):"
+echo "  rm -r drafts/<name> && cp -r $OUT_DIR/<name> drafts/ && git add drafts/<name>"

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -115,8 +116,26 @@ def resolve_model_path(name: str) -> str:
     return name
 
 
-def load_model(name: str, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
-    """Load ``(model, tokenizer)`` for a causal LM: local folder, packaged alias or hub id.
+@contextmanager
+def _progress_bars(shown: bool):
+    """transformers' and the hub's progress bars ("Loading weights", downloads) off inside the block unless
+    ``shown`` (then as they were); the previous setting is restored."""
+    from transformers.utils import logging as hf_logging
+
+    if shown or not hf_logging.is_progress_bar_enabled():
+        yield
+        return
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        hf_logging.enable_progress_bar()
+
+
+def load_model(name: str, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+               progress: bool = True):
+    """Load ``(model, tokenizer)`` for a causal LM: local folder, packaged alias or hub id. ``progress=False``
+    hides transformers' "Loading weights" (and download) bars during this load (a caller's ``--no-progress``).
 
     Raises:
         FileNotFoundError: the model cannot be found locally and cannot be downloaded (offline); the message names
@@ -126,8 +145,9 @@ def load_model(name: str, dtype: torch.dtype = torch.float32, device: str | torc
 
     path = resolve_model_path(name)
     try:
-        tokenizer = AutoTokenizer.from_pretrained(path)
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+        with _progress_bars(progress):
+            tokenizer = AutoTokenizer.from_pretrained(path)
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
     except OSError as err:
         raise FileNotFoundError(
             f"could not load model '{name}': not a local folder, not a packaged model "

@@ -98,7 +98,7 @@ class SpeculativeConfig(ConfigModel):
     tree_budget: Annotated[int, Field(ge=0)] | Literal["auto"] = Field(
         0, description="propose EAGLE-2 dynamic trees of this many nodes (0: chains of K tokens), or auto: the largest tree "
         "measured to keep up with chains in SSD with the committed heads (ssd_eagle.ssd.branch_trees.AUTO_TREE: 6 nodes, "
-        "tree_topk 2; chains for ngram)")
+        "tree_topk 2 unless tree_topk is given; chains for ngram)")
     tree_depth: int = Field(5, ge=1, description="dynamic tree levels (capped by K)")
     tree_topk: int = Field(4, ge=1, description="dynamic tree expansions per level")
 
@@ -112,7 +112,7 @@ class SpeculativeConfig(ConfigModel):
             from ssd_eagle.ssd.branch_trees import AUTO_TREE
 
             self.tree_budget = AUTO_TREE.budget if self.method != "ngram" else 0  # (n-gram proposals are chains)
-            if self.tree_budget:
+            if self.tree_budget and "tree_topk" not in self.model_fields_set:  # an explicit tree_topk stays
                 self.tree_topk = AUTO_TREE.topk
         if self.tree_budget and self.method == "ngram":
             raise ValueError("speculative_config.tree_budget needs a neural draft (draft_model or eagle3)")
@@ -191,7 +191,9 @@ class SpeculativeConfig(ConfigModel):
         return cls.from_dict(data)
 
     def to_dict(self) -> dict:
-        return self.model_dump()
+        """The keys given or resolved (``auto``), not the defaults: re-read, the config is the same, and a key left
+        to its default stays one (``tree_budget: "auto"`` laid over it still picks its own ``tree_topk``)."""
+        return self.model_dump(exclude_unset=True)
 
 
 def _expand(values: list[int], n: int) -> list[int]:

@@ -96,6 +96,7 @@ def scripts(assets, tmp_path_factory):
 
 def test_bench_decode(scripts):
     out = scripts[0]["bench_decode"].output()
+    assert out.count("native_bf16=") == 1, "the platform header is printed more than once"
     assert "ours n-gram SD" in out and "ratio ours AR / transformers generate" in out
     assert "\nours n-gram SD (planned) " in out and "ratio ours n-gram SD (planned) / ours AR, median over 1" in out
     assert "!" not in out.split("configuration", 1)[1].split("ratio")[0], "a divergence that is not a near tie"
@@ -133,3 +134,18 @@ def test_gpu_throughput_on_cpu(scripts):
 def test_load_test(scripts):
     out = scripts[0]["load_test"].output(platform_line=False)  # the server's /health carries the platform
     assert '"errors": 0' in out
+
+
+def test_bench_ssd_writes_no_empty_plot(tmp_path, monkeypatch):
+    """No SSD row, or none with 10 bonus-token ranks: no hit-rate PNG (it would be an empty frame); with ranks, one."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_ssd", ROOT / "scripts/bench_ssd.py")
+    bench_ssd = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "bench_ssd", bench_ssd)  # (dataclasses resolve their module)
+    spec.loader.exec_module(bench_ssd)
+    for ranks in ({}, {"ssd_lm_geo": [0, 1, 2]}):
+        bench_ssd.plot_hit_rate(ranks, tmp_path)
+        assert not (tmp_path / "hit_rate_vs_fanout.png").exists()
+    bench_ssd.plot_hit_rate({"ssd_lm_geo": [0] * 12 + [1] * 6 + [2] * 3 + [5]}, tmp_path)
+    assert (tmp_path / "hit_rate_vs_fanout.png").stat().st_size > 0

@@ -155,14 +155,19 @@ def test_a_tree_spreads_only_the_time_budgets_branches(byte_tokenizer):
 
 def test_tree_budget_auto_is_the_measured_shape():
     """``tree_budget: "auto"`` proposes :data:`AUTO_TREE` (6 nodes, top-2: it tied the chain in SSD where 16 nodes,
-    top-4 lost; branch_trees' docstring), whatever ``tree_topk`` says (a config dumped and re-read lists every field), and
-    means chains for the n-gram drafter."""
+    top-4 lost; branch_trees' docstring) unless ``tree_topk`` is given (a config dumped and re-read keeps a default
+    tree_topk a default), and means chains for the n-gram drafter."""
     auto = SpeculativeConfig.from_dict({"method": "eagle3", "model": "d", "tree_budget": "auto"})
     assert (auto.tree_budget, auto.tree_topk) == (AUTO_TREE.budget, AUTO_TREE.topk) == (6, 2)
     assert auto.tree_settings() == TreeSettings(6, 5, 2) and auto.max_draft_tokens == 6
     dumped = SpeculativeConfig.from_dict({**SpeculativeConfig(method="eagle3", model="d").to_dict(),
                                           "tree_budget": "auto"})  # (how --tree-budget overrides a config)
     assert (dumped.tree_budget, dumped.tree_topk) == (6, 2)
+    topk3 = SpeculativeConfig.from_dict({"method": "eagle3", "model": "d", "tree_budget": "auto", "tree_topk": 3})
+    assert (topk3.tree_budget, topk3.tree_topk) == (6, 3) and topk3.tree_settings() == TreeSettings(6, 5, 3)
+    assert SpeculativeConfig.from_dict({**topk3.to_dict(), "tree_budget": "auto"}).tree_topk == 3
+    topk4 = SpeculativeConfig.from_dict({"method": "eagle3", "model": "d", "tree_budget": "auto", "tree_topk": 4})
+    assert topk4.tree_topk == 4  # explicit, though it is the field's default
     assert SpeculativeConfig.from_dict({"tree_budget": "auto"}).tree_settings() is None  # ngram: chains
     assert SpeculativeConfig.from_dict({"method": "eagle3", "model": "d", "tree_budget": 16}).tree_budget == 16
     for bad in ("big", -1, True, "6"):
@@ -183,3 +188,16 @@ def test_the_bonus_at_a_node_is_never_one_of_its_children(temperature):
         path, bonus = tree_verify(logits, proposal.tokens, proposal.parents, probs, gen)
         u = path[-1] if path else 0
         assert bonus not in {proposal.tokens[c - 1] for c in nodes.children[u]}
+
+
+def test_tree_budget_auto_flag_keeps_an_explicit_tree_topk():
+    """``--tree-budget auto`` laid over the default drafter: AUTO_TREE's top-2, or ``--tree-topk`` when given."""
+    from ssd_eagle.config import engine_config_from_args
+    from test_config import _generate_args
+
+    def spec(*argv):
+        args = _generate_args(["--mode", "sd", "--drafter", "eagle3", "--tree-budget", "auto", *argv])
+        return engine_config_from_args(args).speculative_config
+
+    assert (spec().tree_budget, spec().tree_topk) == (6, 2)
+    assert (spec("--tree-topk", "3").tree_budget, spec("--tree-topk", "3").tree_topk) == (6, 3)

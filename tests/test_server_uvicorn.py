@@ -183,6 +183,10 @@ def test_json_logs(server, client):
     health = httpx.get(server.url + "/health", timeout=5).json()
     assert serving["device"] == health["device"] == "cpu" and serving["dtype"] == health["dtype"]
     assert serving["native_bf16"] == health["native_bf16"] and serving["cpu_flags"] == health["cpu_flags"]
+    stages = {e["stage"]: e["seconds"] for e in logs if e.get("event") == "startup_stage"}  # each stage timed
+    assert {"load target", "engine set-up", "planner cost model"} <= set(stages), stages
+    assert min(stages.values()) >= 0 and serving["startup_s"] >= sum(stages.values())
+    assert logs.index(next(e for e in logs if e.get("stage") == "load target")) < logs.index(serving)
 
 
 def test_sigterm_drains(model_dir, tmp_path):

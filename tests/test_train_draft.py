@@ -387,7 +387,8 @@ def test_offline_features_are_incremental_and_equal_online(tiny_setup, tmp_path)
     first = precompute(config_from_dict(dict(values, data=str(half))), run="a")
     assert first["samples"] == 10 and first["skipped"] == 0
     with pytest.raises(ValueError, match="have no features"):  # what the trainer's own build (train.prepare) fills
-        load_feature_source(config_from_dict(values), trainer_target, tokenizer, None, 0, 1, torch.device("cpu"))
+        load_feature_source(config_from_dict(values), trainer_target.config.get_text_config(), lambda: trainer_target,
+                            tokenizer, None, 0, 1, torch.device("cpu"))
     second = precompute(config_from_dict(values), run="b")
     assert second["skipped"] == 10 and second["samples"] == len(lines) - 10
     assert precompute(config_from_dict(values), run="c")["index"] is None  # nothing left to do
@@ -406,8 +407,75 @@ def test_offline_features_are_incremental_and_equal_online(tiny_setup, tmp_path)
     assert torch.equal(sample["argmax"], ref.argmax[0])
 
 
+def test_offline_training_loads_the_feature_target_only_when_a_forward_needs_it(tiny_setup, tmp_path, monkeypatch):
+    """Offline with ``target_dtype: bfloat16``: the trainer always loads the float32 target (embeddings, soft
+    labels, draft-LM init); the bfloat16 one only to compute missing features or the held-out set's, and drops it
+    once they are made; on precomputed features without a held-out set it never loads it."""
+    import ssd_eagle.assets
+
+    loaded = []
+    real_load = ssd_eagle.assets.load_model
+
+    def recording_load(name, dtype=torch.float32, **kw):
+        loaded.append(dtype)
+        return real_load(name, dtype=dtype, **kw)
+
+    monkeypatch.setattr(ssd_eagle.assets, "load_model", recording_load)
+    values = tiny_config(tiny_setup, tmp_path / "run", mode="offline", features_dir=str(tmp_path / "features"),
+                         feature_dtype="float32", target_dtype="bfloat16", max_steps=1, save_every=1, eval_every=1)
+    trainer, _ = run_trainer(**values)  # builds the features and the held-out features
+    assert loaded == [torch.float32, torch.bfloat16] and trainer.data.heldout and trainer._feature_model is None
+    loaded.clear()
+    trainer, result = run_trainer(**dict(values, heldout_samples=0, output_dir=str(tmp_path / "run2")))
+    assert loaded == [torch.float32] and result["step"] == 1 and not trainer.data.heldout
+    loaded.clear()
+    trainer, _ = run_trainer(**dict(values, mode="online", output_dir=str(tmp_path / "run3")))
+    assert loaded == [torch.float32, torch.bfloat16] and trainer.data.extractor.runner.model is trainer.feature_target()
+
+
+def test_transformers_loading_bar_follows_the_trainer_progress(tiny_setup, tmp_path, capsys):
+    """transformers prints a "Loading weights" bar on every load; the trainer's ``progress: false`` (and a rank other
+    than 0) hides it for both its loads (float32 and target_dtype), and leaves transformers' setting as it was."""
+    from transformers.utils import logging as hf_logging
+
+    from ssd_eagle.assets import load_model
+
+    assert hf_logging.is_progress_bar_enabled()
+    load_model(tiny_setup["target"])
+    assert "Loading weights" in capsys.readouterr().err  # (what would be hidden)
+    run_trainer(**tiny_config(tiny_setup, tmp_path / "run", max_steps=1, save_every=1, eval_every=1,
+                              target_dtype="bfloat16", progress=False))
+    assert "Loading weights" not in capsys.readouterr().err
+    assert hf_logging.is_progress_bar_enabled()
+
+
 # ----------------------------------------------------------------------------------------------------------------
-# the one end-to-end deepspeed launch
+# the deepspeed launches
+
+def test_deepspeed_launch_on_a_taken_port_moves_to_a_free_one(tmp_path):
+    """``deepspeed --num_gpus 1`` sets ``MASTER_PORT`` to its ``--master_port`` (29500 unless given) even when
+    another run holds that port: the one-process world moves to a free port instead of failing to bind."""
+    import socket
+
+    if shutil.which("deepspeed") is None:
+        pytest.fail("the deepspeed launcher is not installed (pip install deepspeed)")
+    script = tmp_path / "world.py"
+    script.write_text("import os\nfrom train.distributed import init_distributed\n"
+                      "print('world', *init_distributed(), os.environ['MASTER_PORT'], flush=True)\n")
+    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
+    with socket.socket() as other_run:  # a listening socket, like another run's rendezvous store
+        other_run.bind(("", 0))
+        other_run.listen()
+        port = other_run.getsockname()[1]
+        proc = subprocess.run(["deepspeed", "--num_gpus", "1", "--master_port", str(port), str(script)], cwd=REPO,
+                              env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    world = next(line.split() for line in proc.stdout.splitlines() if line.startswith("world "))
+    assert world[1:3] == ["0", "1"] and world[3].isdigit() and int(world[3]) != port, world
+    assert f"MASTER_PORT {port} is taken" in proc.stdout + proc.stderr
+
 
 def test_deepspeed_launch_trains_resumes_and_exports(tiny_setup, tmp_path, capsys):
     """The README command, ``deepspeed --num_gpus 1 train/train_draft.py --config ...``, on a tiny offline config

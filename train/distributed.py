@@ -1,16 +1,23 @@
 """The trainer's torch.distributed plumbing: start the world through DeepSpeed, reduce small vectors over ranks.
 
 Runs unchanged on CPUs (gloo) and GPUs (nccl); a plain ``python`` launch (no ``RANK`` in the environment) becomes a
-one-process world on a free local port.
+one-process world on a free local port. The ``deepspeed`` launcher always sets ``MASTER_PORT`` (its ``--master_port``,
+default 29500): a one-process world whose port is already taken (another training, a test) moves to a free one;
+ranks of a larger world cannot agree on a new port by themselves, so concurrent multi-rank runs need their own
+``--master_port``.
 """
 
 from __future__ import annotations
 
+import errno
+import logging
 import os
 import socket
 
 import torch
 import torch.distributed as dist
+
+logger = logging.getLogger(__name__)
 
 
 def _free_port() -> int:
@@ -19,14 +26,30 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _port_taken(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("", port))
+        except OSError as err:
+            return err.errno == errno.EADDRINUSE
+    return False
+
+
 def init_distributed() -> tuple[int, int]:
     """Initialise torch.distributed through DeepSpeed (gloo without GPUs, nccl with). A plain ``python`` launch
-    becomes a one-process world. Returns ``(rank, world_size)``."""
+    becomes a one-process world; a one-process world on a taken ``MASTER_PORT`` moves to a free port (logged).
+    Returns ``(rank, world_size)``."""
     import deepspeed
 
     if "RANK" not in os.environ:
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
                           MASTER_PORT=os.environ.get("MASTER_PORT", str(_free_port())))
+    port = os.environ.get("MASTER_PORT", "")
+    if not dist.is_initialized() and os.environ.get("WORLD_SIZE") == "1" and port.isdigit() and \
+            _port_taken(int(port)):
+        os.environ["MASTER_PORT"] = str(_free_port())
+        logger.warning("MASTER_PORT %s is taken (another run?): this one-process world uses port %s instead",
+                       port, os.environ["MASTER_PORT"])
     if not dist.is_initialized():
         deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
     return dist.get_rank(), dist.get_world_size()

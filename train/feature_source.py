@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import torch
+from torch import nn
 
 from train.config import TrainConfig
 from train.distributed import all_reduce
@@ -51,9 +52,14 @@ class FeatureSource:
         return collate_features(samples).to(self.device)
 
 
-def load_feature_source(cfg: TrainConfig, target, tokenizer, aux_layer_ids: tuple[int, ...] | None, rank: int,
-                        world: int, device: torch.device) -> FeatureSource:
+def load_feature_source(cfg: TrainConfig, text_config, feature_target: Callable[[], nn.Module], tokenizer,
+                        aux_layer_ids: tuple[int, ...] | None, rank: int, world: int,
+                        device: torch.device) -> FeatureSource:
     """This rank's samples (module docstring), global data stats, and the held-out set.
+
+    ``text_config`` is the target's text config; ``feature_target()`` returns the target in ``cfg.target_dtype``
+    and is called only where a forward is needed (online training, the held-out set's features), so offline
+    training on precomputed features without a held-out set never loads it.
 
     Raises:
         ValueError: online mode without ``data``; offline features that lack some of ``data``'s conversations;
@@ -74,14 +80,14 @@ def load_feature_source(cfg: TrainConfig, target, tokenizer, aux_layer_ids: tupl
             lengths=list(dataset["length"]), get_sample=lambda i: dataset[i],
             token_rows=lambda: ({"input_ids": r["input_ids"], "loss_mask": r["loss_mask"]} for r in dataset),
             stats={"source": cfg.data, **stats.as_dict()},
-            extractor=TargetFeatureExtractor(target, aux_layer_ids, cfg.micro_batch_size, cfg.max_length),
+            extractor=TargetFeatureExtractor(feature_target(), aux_layer_ids, cfg.micro_batch_size, cfg.max_length),
             device=device)
     else:
         from train.data import load_conversations
         from train.features import FeatureStore, conversation_key
         from train.precompute_features import feature_key
 
-        key = feature_key(cfg, target.config.get_text_config())
+        key = feature_key(cfg, text_config)
         store = FeatureStore(cfg.features_dir, matching=key)
         if cfg.data:  # train on exactly the conversations of the data file, all of which must have features
             keys = [conversation_key(c["messages"]) for c in load_conversations(cfg.data, limit=cfg.data_limit)]
@@ -104,11 +110,11 @@ def load_feature_source(cfg: TrainConfig, target, tokenizer, aux_layer_ids: tupl
             extractor=None, device=device)
     if not source.lengths:
         raise ValueError(f"rank {rank} has no training samples")
-    source.heldout = _heldout_features(cfg, target, tokenizer, aux_layer_ids, source.extractor)
+    source.heldout = _heldout_features(cfg, feature_target, tokenizer, aux_layer_ids, source.extractor)
     return source
 
 
-def _heldout_features(cfg: TrainConfig, target, tokenizer, aux_layer_ids, extractor) -> list[dict]:
+def _heldout_features(cfg: TrainConfig, feature_target, tokenizer, aux_layer_ids, extractor) -> list[dict]:
     """Held-out samples with target features (computed once, through the same extractor path)."""
     if not cfg.heldout_data or cfg.heldout_samples == 0:
         return []
@@ -118,6 +124,6 @@ def _heldout_features(cfg: TrainConfig, target, tokenizer, aux_layer_ids, extrac
     convs = load_conversations(cfg.heldout_data, limit=cfg.heldout_samples)
     dataset, _ = build_dataset([c["messages"] for c in convs], tokenizer, max_length=cfg.max_length,
                                shuffle_seed=None, check_heldout=False, progress=False)
-    extractor = extractor or TargetFeatureExtractor(target, aux_layer_ids, 1, cfg.max_length)
+    extractor = extractor or TargetFeatureExtractor(feature_target(), aux_layer_ids, 1, cfg.max_length)
     return [{"batch": extractor([{"input_ids": row["input_ids"], "loss_mask": row["loss_mask"]}])}
             for row in dataset]

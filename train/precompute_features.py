@@ -138,7 +138,8 @@ def precompute(cfg: TrainConfig, rank: int = 0, world_size: int = 1, run: str | 
     if cfg.num_threads:
         torch.set_num_threads(cfg.num_threads)
     device = f"cuda:{os.environ.get('LOCAL_RANK', 0)}" if torch.cuda.is_available() else "cpu"
-    target, tokenizer = load_model(cfg.target, dtype=getattr(torch, cfg.target_dtype), device=device)
+    target, tokenizer = load_model(cfg.target, dtype=getattr(torch, cfg.target_dtype), device=device,
+                                   progress=cfg.progress and rank == 0)
     key = feature_key(cfg, target.config.get_text_config())
     total, todo = missing_conversations(cfg, key)
     result = write_features(cfg, todo, target, tokenizer, key, rank, world_size, run)

@@ -16,17 +16,22 @@ Every rank calls both; they synchronise with barriers (the world must be initial
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import torch.distributed as dist
+from torch import nn
 
 from train.config import TrainConfig
 
 MTBENCH_QUESTIONS = 80  # prompts of the held-out MT-Bench split (ten per category, ordered by category)
 
 
-def ensure_features(cfg: TrainConfig, target, tokenizer, rank: int, world: int) -> dict | None:
+def ensure_features(cfg: TrainConfig, text_config, feature_target: Callable[[], nn.Module], tokenizer, rank: int,
+                    world: int) -> dict | None:
     """Compute the offline features ``cfg`` lacks (module docstring); a no-op online or when nothing is missing.
+    ``text_config``: the target's text config; ``feature_target()`` returns the target in ``cfg.target_dtype``,
+    called only when features are missing (the trainer loads it on first use).
 
     Returns:
         this rank's ``{"index", "samples", "tokens", "seconds"}`` (see
@@ -36,12 +41,12 @@ def ensure_features(cfg: TrainConfig, target, tokenizer, rank: int, world: int) 
         return None
     from train.precompute_features import feature_key, missing_conversations, write_features
 
-    key = feature_key(cfg, target.config.get_text_config())
+    key = feature_key(cfg, text_config)
     _, todo = missing_conversations(cfg, key)
     dist.barrier()  # every rank planned from the same directory state before anyone writes
     if not todo:
         return None
-    result = write_features(cfg, todo, target, tokenizer, key, rank, world)
+    result = write_features(cfg, todo, feature_target(), tokenizer, key, rank, world)
     dist.barrier()
     return result
 

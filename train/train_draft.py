@@ -121,14 +121,14 @@ class Trainer:
         amp = resolve_dtype(cfg.autocast, self.device) if cfg.autocast else torch.float32
         self.autocast_dtype = amp if amp != torch.float32 else None  # "auto" on a CPU without native bf16: off
 
-        self.target, self.tokenizer = load_model(cfg.target, dtype=torch.float32, device=self.device)
+        shown = cfg.progress and self.rank == 0  # transformers' "Loading weights" bar follows ours
+        self.target, self.tokenizer = load_model(cfg.target, dtype=torch.float32, device=self.device, progress=shown)
         self.target.requires_grad_(False)
         self.target_embed = self.target.get_input_embeddings()
         self.lm_head_weight = self.target.get_output_embeddings().weight.detach()
         # the features come from the target in the serving dtype (cfg.target_dtype); the float32 copy above keeps the
         # embeddings, the soft labels' lm_head and the draft LM's initial layers exact
-        self.feature_target = self.target if cfg.target_dtype == "float32" else load_model(
-            cfg.target, dtype=getattr(torch, cfg.target_dtype), device=self.device)[0].requires_grad_(False)
+        self._feature_model = self.target if cfg.target_dtype == "float32" else None
         num_layers = self.target.config.get_text_config().num_hidden_layers
 
         self.resume_dir = ckpt.latest_checkpoint(self.ckpt_root) if cfg.resume else None
@@ -146,10 +146,13 @@ class Trainer:
                 if saved != self.aux_layer_ids:
                     raise ValueError(f"checkpoint aux_layer_ids {saved} != config {self.aux_layer_ids}")
 
-        ensure_features(cfg, self.feature_target, self.tokenizer, self.rank, self.world)
+        text_config = self.target.config.get_text_config()
+        ensure_features(cfg, text_config, self.feature_target, self.tokenizer, self.rank, self.world)
         ensure_heldout(cfg, self.rank)
-        self.data = load_feature_source(cfg, self.feature_target, self.tokenizer, self.aux_layer_ids, self.rank,
-                                        self.world, self.device)
+        self.data = load_feature_source(cfg, text_config, self.feature_target, self.tokenizer, self.aux_layer_ids,
+                                        self.rank, self.world, self.device)
+        if self.data.extractor is None:  # offline: no target forward from here on (the float32 copy stays)
+            self._feature_model = None
         self.module = self._build_draft()
         self._plan()
 
@@ -172,6 +175,19 @@ class Trainer:
                          "to start over)" if done else ""), file=sys.stderr, flush=True)
 
     # --- setup --------------------------------------------------------------------------------------------
+    def feature_target(self) -> nn.Module:
+        """The target in ``cfg.target_dtype`` (features to compute, the held-out set, online training): the float32
+        copy when that is the dtype, else loaded on first use. Offline on precomputed features without a held-out
+        set it is never loaded, and offline it is dropped once the held-out features are made."""
+        if self._feature_model is None:
+            from ssd_eagle.assets import load_model
+
+            self._feature_model = load_model(self.cfg.target, dtype=getattr(torch, self.cfg.target_dtype),
+                                             device=self.device,
+                                             progress=self.cfg.progress and self.rank == 0)[0]
+            self._feature_model.requires_grad_(False)
+        return self._feature_model
+
     def _build_draft(self) -> nn.Module:
         cfg = self.cfg
         if cfg.draft == "eagle3":

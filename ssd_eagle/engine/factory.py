@@ -12,17 +12,36 @@ A placement has four methods: ``load_target(config) -> (model, tokenizer)``, ``d
 module loaded here, or None where the speculator loads its own), ``speculator(config, settings, target, draft)``
 (the SSD speculator handle) and ``attach(engine)`` (last touches to the built engine); and one flag, ``captures``:
 whether the engine may capture the target's forward (CUDA graphs, ``torch.compile``).
+
+Each start-up stage (target load, draft load, speculator start, engine set-up, the planner's cost measurement) is
+logged at INFO with its duration, as vLLM logs its start-up (``event: startup_stage``, ``stage``, ``seconds``).
 """
 
 from __future__ import annotations
 
+import logging
 import os
+import time
+from contextlib import contextmanager
 
 import torch
 from torch import nn
 
 from ssd_eagle.engine.llm_engine import LLMEngine
 from ssd_eagle.kv_cache import DraftKV, bytes_per_position
+
+
+log = logging.getLogger(__name__)
+
+
+@contextmanager
+def startup_stage(stage: str, **fields):
+    """Log ``stage`` (what ran, with ``fields``) and its wall time in seconds once the block ends."""
+    start = time.perf_counter()
+    yield
+    seconds = time.perf_counter() - start
+    log.info(f"{stage}: {seconds:.2f} s", extra={"fields": {"event": "startup_stage", "stage": stage,
+                                                           "seconds": round(seconds, 3), **fields}})
 
 
 def load_draft(spec, target=None, *, target_config=None, dtype: torch.dtype | None = None,
@@ -158,20 +177,24 @@ def make_drafter(config, target, max_model_len: int, placement=None, draft: nn.M
         return None
     if config.mode == "sd":
         if draft is None and spec.method != "ngram":
-            draft = load_draft(spec, target)
+            with startup_stage("load draft", method=spec.method, draft=spec.model):
+                draft = load_draft(spec, target)
         return build_drafter(spec, target, config.max_num_seqs, max_model_len + spec.kv_slack("draft"), draft)
     from ssd_eagle.ssd import speculator_settings
     from ssd_eagle.ssd.client import SSDDrafter
 
     if spec.method not in ("draft_model", "eagle3"):
         raise ValueError(f"SSD needs a neural draft (method 'draft_model' or 'eagle3'), got {spec.method!r}")
-    draft = draft if draft is not None else placement.draft(spec, target)
+    if draft is None:
+        with startup_stage("load draft", method=spec.method, draft=spec.model):
+            draft = placement.draft(spec, target)
     aux_ids = None
     if spec.method == "eagle3":
         aux_ids = tuple(draft.config.aux_layer_ids) if draft is not None else \
             eagle3_aux_layer_ids(spec.model, target.config)
     settings = speculator_settings(config, target.config, next(target.parameters()).dtype, max_model_len)
-    speculator = placement.speculator(config, settings, target, draft)
+    with startup_stage("start speculator", speculator=spec.speculator, device=config.draft_device):
+        speculator = placement.speculator(config, settings, target, draft)
     respawn = None  # a crashed speculator process can be replaced (inference/supervisor.py)
     if isinstance(placement, SpeculatorProcess):
         from ssd_eagle.ssd.client import RemoteSpeculator
@@ -218,7 +241,9 @@ def build(config, target=None, placement=None, *, tokenizer=None, draft: nn.Modu
     if config.num_threads:
         torch.set_num_threads(config.num_threads)
     if target is None:
-        target, loaded_tokenizer = placement.load_target(config)
+        with startup_stage("load target", model=config.model, dtype=str(config.torch_dtype).removeprefix("torch."),
+                           device=config.device):
+            target, loaded_tokenizer = placement.load_target(config)
         tokenizer = tokenizer or loaded_tokenizer
     if tokenizer is None:
         from transformers import AutoTokenizer
@@ -229,17 +254,20 @@ def build(config, target=None, placement=None, *, tokenizer=None, draft: nn.Modu
     max_model_len = config.max_model_len or target.config.get_text_config().max_position_embeddings
     drafter = make_drafter(config, target, max_model_len, placement, draft)
     spec = config.speculative_config if drafter is not None else None
-    engine = LLMEngine(target, tokenizer, drafter, num_speculative_tokens=spec.num_speculative_tokens if spec else 0,
-                       max_num_seqs=config.max_num_seqs, max_model_len=max_model_len, seed=config.seed,
-                       max_draft_tokens=spec.max_draft_tokens if spec else 0,
-                       cuda_graphs=placement.captures and not config.eager,
-                       compile=placement.captures and config.compile,
-                       max_num_batched_tokens=config.max_num_batched_tokens,
-                       enable_prefix_caching=config.enable_prefix_caching,
-                       prefix_cache_memory=config.prefix_cache_memory, kv_cache_memory=config.kv_cache_memory)
-    engine = placement.attach(engine)
+    with startup_stage("engine set-up", max_num_seqs=config.max_num_seqs, max_model_len=max_model_len):
+        engine = LLMEngine(target, tokenizer, drafter,
+                           num_speculative_tokens=spec.num_speculative_tokens if spec else 0,
+                           max_num_seqs=config.max_num_seqs, max_model_len=max_model_len, seed=config.seed,
+                           max_draft_tokens=spec.max_draft_tokens if spec else 0,
+                           cuda_graphs=placement.captures and not config.eager,
+                           compile=placement.captures and config.compile,
+                           max_num_batched_tokens=config.max_num_batched_tokens,
+                           enable_prefix_caching=config.enable_prefix_caching,
+                           prefix_cache_memory=config.prefix_cache_memory, kv_cache_memory=config.kv_cache_memory)
+        engine = placement.attach(engine)
     if spec is not None:  # after attach: a tensor-parallel target is its driver by then (not planned: its probe
         from ssd_eagle.planner import planner_for  # forwards must reach every rank)
 
-        engine.planner = planner_for(engine, spec)
+        with startup_stage("planner cost model"):
+            engine.planner = planner_for(engine, spec)
     return engine

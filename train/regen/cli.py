@@ -103,6 +103,9 @@ def regenerate(args: argparse.Namespace) -> int:
                          "num_grounded": args.num_grounded})
     runlog = RunLog(work, {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}, REPO)
     status = "failed"
+    if args.no_progress:  # nor transformers' "Loading weights" bar
+        from transformers.utils import logging as hf_logging
+        hf_logging.disable_progress_bar()
     try:
         llm = LLM(args.model, mode="ar", dtype=args.dtype, max_num_seqs=args.batch_size,
                   num_threads=args.num_threads, max_model_len=args.max_model_len, seed=cfg.seed)
