@@ -286,7 +286,8 @@ class Speculator:
 
     def _build_rows(self, rows: list[tuple[_Seq, bool]], start: float) -> None:
         seqs = [s for s, _ in rows]
-        steps = self.K if self.tree is None else self.tree.depth  # branch forwards of a build (trees: about)
+        steps = self.tree.depth if self.tree is not None else \
+            self.budget.chain_depth(self.K, len(rows) * -(-sum(self.fanout) // 2))  # branch forwards (trees: about)
         self._stop.finish = lambda: self.budget.worth_finishing(self.budget.remaining_s(steps, fixed=True))
         self._stop.check()
         node_logits, node_hidden, node_kv = self._proposal_forward(seqs)
@@ -296,7 +297,7 @@ class Speculator:
             for seq in seqs:        # the root's (fed again as the next chunk's first token)
                 seq.pending = seq.pending[len(seq.token_ids) - 1 - seq.num_cached:]
                 seq.num_cached = len(seq.token_ids) - 1
-        cap = self.budget.cap()
+        cap = self.budget.cap(steps if self.tree is None else None)
         per_row = None if cap is None else max(cap // len(rows), cap > 0)
         branches: list[list[dict]] = []
         for r, (seq, missed) in enumerate(rows):
@@ -310,7 +311,10 @@ class Speculator:
             self._stop.finish = lambda: self.budget.worth_finishing(
                 self.budget.remaining_s(steps - (self.backend.forwards - before), n))
             try:
-                (self._draft_branch_trees if self.tree is not None else self._draft_branch_chains)(seqs, branches)
+                if self.tree is not None:
+                    self._draft_branch_trees(seqs, branches)
+                else:
+                    self._draft_branch_chains(seqs, branches, steps)
                 complete = True
             finally:
                 self.budget.observe_build(fixed, n, self.backend.forwards - before, time.perf_counter() - start - fixed,
@@ -390,8 +394,9 @@ class Speculator:
         region = torch.tensor([kv_end(seq, b.offset) for seq in seqs])[:, None]
         return tokens, root_pos, base, feats, region, F
 
-    def _draft_branch_chains(self, seqs: list[_Seq], branches: list[list[dict]]) -> None:
-        """K tokens for every branch: K tree-masked forwards over all branches of all rows at once. Branch i of
+    def _draft_branch_chains(self, seqs: list[_Seq], branches: list[list[dict]], depth: int) -> None:
+        """``depth`` (<= K) tokens for every branch: that many tree-masked forwards over all branches of all rows at
+        once (``BuildBudget.chain_depth`` sizes it to the verification). Branch i of
         row r writes its root at cache position ``region_r + i`` and its token of chain index j at
         ``region_r + (j + 1) * F + i``; it sees the committed text, the path to its node and its own writes."""
         tokens, positions, base, feats, region, F = self._branch_batch(seqs, branches)
@@ -413,7 +418,7 @@ class Speculator:
 
         logits, hidden = feed(None, tokens, feats, -1)
         rows = [seq if i < len(row) else None for seq, row in zip(seqs, branches) for i in range(F)]  # None: pad
-        chains = draft_chain(feed, logits, hidden, rows, [self.K] * (B * F), self.saguaro)
+        chains = draft_chain(feed, logits, hidden, rows, [depth] * (B * F), self.saguaro)
         for r, (seq, row) in enumerate(zip(seqs, branches)):
             for i, br in enumerate(row):
                 seq.cache[br["key"]] = chains[r * F + i]
