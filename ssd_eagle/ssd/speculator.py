@@ -297,7 +297,7 @@ class Speculator:
             for seq in seqs:        # the root's (fed again as the next chunk's first token)
                 seq.pending = seq.pending[len(seq.token_ids) - 1 - seq.num_cached:]
                 seq.num_cached = len(seq.token_ids) - 1
-        cap = self.budget.cap(steps if self.tree is None else None)
+        cap = self.budget.cap() if self.tree is not None else self.budget.cap(steps)
         per_row = None if cap is None else max(cap // len(rows), cap > 0)
         branches: list[list[dict]] = []
         for r, (seq, missed) in enumerate(rows):
