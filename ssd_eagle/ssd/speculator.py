@@ -13,7 +13,8 @@ chain the accepted tokens are ``s_1..s_k``, so the key is the paper's ``(k, bonu
    gets the top-F_u tokens there as bonus candidates, excluding u's children (an equal bonus would have been an
    acceptance). Every branch ``(path to u, b)`` then drafts its next proposal, all branches of all rows together
    in tree-masked forwards: K forwards for chains, 1 + (depth - 1) for dynamic trees, whatever the fan-out.
-   The branches are capped so that the build fits in a verification (:mod:`ssd_eagle.ssd.budget`); a build still
+   The branches, and a chain's length (L <= K tokens: a draft LM's step can cost a fifth of a verification), are
+   capped so that the build fits in a verification (:mod:`ssd_eagle.ssd.budget`); a build still
    running when the next outcome arrives stops before its next forward, and that outcome is answered at once
    from what is complete (a branch enters the cache only once drafted to the end), else by the backup.
 
