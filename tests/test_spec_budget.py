@@ -84,22 +84,24 @@ def test_a_slow_draft_caps_its_branches_fits_the_budget_and_stays_lossless(byte_
     speculator.backend.forward = SlowForward(speculator.backend.forward, 2e-3, 3e-3)
     verify_s = 0.1  # what the worker's serve loop measures; set here since the speculator runs in-process
     speculator.budget.observe_verify(verify_s)
-    builds = []  # (seconds, cache entries built)
+    builds = []  # (seconds, cache entries built, longest cached chain)
     build = speculator.build
 
     def timed_build(*args, **kwargs):
         start = time.perf_counter()
         build(*args, **kwargs)
-        builds.append((time.perf_counter() - start, max((len(s.cache) for s in speculator.seqs.values()), default=0)))
+        cached = [s.cache for s in speculator.seqs.values()]
+        builds.append((time.perf_counter() - start, max(map(len, cached), default=0),
+                       max((len(p.tokens) for c in cached for p in c.values()), default=0)))
 
     speculator.build = timed_build
     greedy_with_hits_and_misses(engine, target, random_prompts(3, seed=2))
     full = (K + 1) * 2  # fan-out [2] at every node of a K-chain
     # full fan-out sleeps ~17 ms (proposal forward) + 4 forwards * 32 ms: far past the 100 ms verification
-    assert builds[0][1] == full and builds[0][0] > verify_s
-    later = [b for b in builds[3:] if b[1]]
-    assert later and all(n < full for _, n in later), builds
-    assert sorted(s for s, _ in later)[len(later) // 2] <= verify_s, builds
+    assert builds[0][1:] == (full, K) and builds[0][0] > verify_s
+    later = [b for b in builds[3:] if b[1]]  # capped: fewer branches, or shorter chains (BuildBudget.chain_depth)
+    assert later and all(n < full or depth < K for _, n, depth in later), builds
+    assert sorted(s for s, _, _ in later)[len(later) // 2] <= verify_s, builds
 
 
 def test_wait_on_hit_and_on_miss_are_recorded_merged_and_summarised(byte_tokenizer):

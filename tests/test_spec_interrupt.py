@@ -200,7 +200,8 @@ def test_an_outcome_arriving_mid_build_is_answered_within_one_branch_step(byte_t
     target = make_tiny_llama(seed=3)
     engine = ssd_engine(target, noisy_copy(target, 0.02), byte_tokenizer, max_num_seqs=1)
     speculator = engine.drafter.speculator.speculator
-    speculator.budget.cap = lambda: None  # every build full-size: only the interruption bounds the wait
+    speculator.budget.cap = lambda steps=None: None  # every build full-size: only the interruption bounds the wait
+    speculator.budget.chain_depth = lambda max_steps, min_branches: max_steps
     slow = SlowBuildSteps(speculator, step_s)
     engine.target.forward = AlternatingTarget(engine.target, [0.0, 0.9])
     verifier_end, speculator_end, _store = _pair(torch.float64)
@@ -263,7 +264,8 @@ def test_builds_finish_again_after_an_unlucky_start(byte_tokenizer):
     target = make_tiny_llama(seed=3)
     engine = ssd_engine(target, noisy_copy(target, 0.02), byte_tokenizer, max_num_seqs=1, k=k)
     speculator = engine.drafter.speculator.speculator
-    speculator.budget.cap = lambda: None  # every build full-size
+    speculator.budget.cap = lambda steps=None: None  # every build full-size
+    speculator.budget.chain_depth = lambda max_steps, min_branches: max_steps
     budget = speculator.budget
     for _ in range(20):
         budget.observe_lookup(False)

@@ -191,11 +191,25 @@ class BuildBudget:
             return self._t, 0.0
         return max(self._t - b * self._n, 0.0), b
 
-    def cap(self) -> int | None:
-        """The branch cap for the next build, or None (no cap) before a verification and a build were measured."""
+    def chain_depth(self, max_steps: int, min_branches: int) -> int:
+        """Branch-chain length L (1..``max_steps``, tokens = forwards per branch) for the next build: the longest
+        whose build fits ``min_branches`` branches in the verification, else 1. ``max_steps`` until a verification
+        and a build were measured. A draft LM whose step costs a fifth of a verification cannot build K = 5 tokens
+        of even one branch in time (the proposal's forward comes first), so it builds shorter chains: a cached
+        proposal of L < K tokens still saves the backup's whole draft on a hit."""
+        if self.verify_s is None or not self._seen:
+            return max_steps
+        a, b = self.forward_cost()
+        fits = [s for s in range(1, max_steps + 1)
+                if branch_cap(self.verify_s, self.fixed_s, s, a, b, self.margin) >= min_branches]
+        return max(fits, default=1)
+
+    def cap(self, steps: float | None = None) -> int | None:
+        """The branch cap for the next build of ``steps`` branch forwards (default: the measured steps of a
+        build), or None (no cap) before a verification and a build were measured."""
         if self.verify_s is None or not self._seen:
             return None
         a, b = self.forward_cost()
-        cap = branch_cap(self.verify_s, self.fixed_s, self.steps, a, b, self.margin)
+        cap = branch_cap(self.verify_s, self.fixed_s, self.steps if steps is None else steps, a, b, self.margin)
         self._capped_out = self._capped_out + 1 if cap == 0 else 0
         return 1 if cap == 0 and self._capped_out % self.probe_every == 0 else cap

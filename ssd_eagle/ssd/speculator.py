@@ -13,7 +13,8 @@ chain the accepted tokens are ``s_1..s_k``, so the key is the paper's ``(k, bonu
    gets the top-F_u tokens there as bonus candidates, excluding u's children (an equal bonus would have been an
    acceptance). Every branch ``(path to u, b)`` then drafts its next proposal, all branches of all rows together
    in tree-masked forwards: K forwards for chains, 1 + (depth - 1) for dynamic trees, whatever the fan-out.
-   The branches are capped so that the build fits in a verification (:mod:`ssd_eagle.ssd.budget`); a build still
+   The branches, and a chain's length (L <= K tokens: a draft LM's step can cost a fifth of a verification), are
+   capped so that the build fits in a verification (:mod:`ssd_eagle.ssd.budget`); a build still
    running when the next outcome arrives stops before its next forward, and that outcome is answered at once
    from what is complete (a branch enters the cache only once drafted to the end), else by the backup.
 
@@ -286,7 +287,8 @@ class Speculator:
 
     def _build_rows(self, rows: list[tuple[_Seq, bool]], start: float) -> None:
         seqs = [s for s, _ in rows]
-        steps = self.K if self.tree is None else self.tree.depth  # branch forwards of a build (trees: about)
+        steps = self.tree.depth if self.tree is not None else \
+            self.budget.chain_depth(self.K, len(rows) * -(-sum(self.fanout) // 2))  # branch forwards (trees: about)
         self._stop.finish = lambda: self.budget.worth_finishing(self.budget.remaining_s(steps, fixed=True))
         self._stop.check()
         node_logits, node_hidden, node_kv = self._proposal_forward(seqs)
@@ -296,7 +298,7 @@ class Speculator:
             for seq in seqs:        # the root's (fed again as the next chunk's first token)
                 seq.pending = seq.pending[len(seq.token_ids) - 1 - seq.num_cached:]
                 seq.num_cached = len(seq.token_ids) - 1
-        cap = self.budget.cap()
+        cap = self.budget.cap() if self.tree is not None else self.budget.cap(steps)
         per_row = None if cap is None else max(cap // len(rows), cap > 0)
         branches: list[list[dict]] = []
         for r, (seq, missed) in enumerate(rows):
@@ -310,7 +312,10 @@ class Speculator:
             self._stop.finish = lambda: self.budget.worth_finishing(
                 self.budget.remaining_s(steps - (self.backend.forwards - before), n))
             try:
-                (self._draft_branch_trees if self.tree is not None else self._draft_branch_chains)(seqs, branches)
+                if self.tree is not None:
+                    self._draft_branch_trees(seqs, branches)
+                else:
+                    self._draft_branch_chains(seqs, branches, steps)
                 complete = True
             finally:
                 self.budget.observe_build(fixed, n, self.backend.forwards - before, time.perf_counter() - start - fixed,
@@ -390,8 +395,9 @@ class Speculator:
         region = torch.tensor([kv_end(seq, b.offset) for seq in seqs])[:, None]
         return tokens, root_pos, base, feats, region, F
 
-    def _draft_branch_chains(self, seqs: list[_Seq], branches: list[list[dict]]) -> None:
-        """K tokens for every branch: K tree-masked forwards over all branches of all rows at once. Branch i of
+    def _draft_branch_chains(self, seqs: list[_Seq], branches: list[list[dict]], depth: int) -> None:
+        """``depth`` (<= K) tokens for every branch: that many tree-masked forwards over all branches of all rows at
+        once (``BuildBudget.chain_depth`` sizes it to the verification). Branch i of
         row r writes its root at cache position ``region_r + i`` and its token of chain index j at
         ``region_r + (j + 1) * F + i``; it sees the committed text, the path to its node and its own writes."""
         tokens, positions, base, feats, region, F = self._branch_batch(seqs, branches)
@@ -413,7 +419,7 @@ class Speculator:
 
         logits, hidden = feed(None, tokens, feats, -1)
         rows = [seq if i < len(row) else None for seq, row in zip(seqs, branches) for i in range(F)]  # None: pad
-        chains = draft_chain(feed, logits, hidden, rows, [self.K] * (B * F), self.saguaro)
+        chains = draft_chain(feed, logits, hidden, rows, [depth] * (B * F), self.saguaro)
         for r, (seq, row) in enumerate(zip(seqs, branches)):
             for i, br in enumerate(row):
                 seq.cache[br["key"]] = chains[r * F + i]
