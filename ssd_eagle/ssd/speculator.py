@@ -58,7 +58,8 @@ class _Seq:
     params: SamplingParams
     draft_generator: torch.Generator
     num_cached: int = 0  # first token position whose draft cache entry is not valid for the committed text
-    pending: torch.Tensor | None = None  # EAGLE-3 features of token positions num_cached .. len(token_ids) - 1
+    pending: torch.Tensor | None = None  # EAGLE-3 features of token positions num_cached .. (then raw's)
+    raw: list[torch.Tensor] = field(default_factory=list)  # EAGLE-3 aux states after pending's, not fused yet
     proposal: Proposal | None = None  # the last reply, with the draft's outputs (EAGLE-3)
     path_base: int = 0  # len(token_ids) when the proposal was made
     fed: bool = False  # whether a build's forward has cached the proposal (an interrupted build may not have)
@@ -114,6 +115,7 @@ class Speculator:
         self.node_table = NodeHitTable(max(sum(self.fanout), sum(self.fanout_miss), 1))  # where outcomes land
         self.budget = BuildBudget()  # caps the branches so that a build fits in one verification
         self._stop = BuildStop()  # when the running build stops early (set by build)
+        self._waiting: list[SpecRequest] | None = None  # the outcomes that arrived mid-build (expect)
         self._to_build: list[tuple[_Seq, bool]] = []
 
     def _set_fanout(self, fanout: list[int], fanout_miss: list[int] | None = None) -> None:
@@ -139,6 +141,7 @@ class Speculator:
         if start == 0:  # (a new slot may need a row)
             self._fit_kv()
         end = len(seq.token_ids) - 1 if done else len(seq.token_ids)
+        self._fuse([seq])
         seq.pending = self.backend.prefill(slot, seq.token_ids, aux, seq.num_cached, end, seq.pending)
         seq.num_cached = end
 
@@ -197,8 +200,8 @@ class Speculator:
         path, bonus = self._key(seq, req)
         proposal = seq.proposal
         seq.token_ids.extend(list(path) + [bonus])
-        if self.backend.needs_aux:
-            seq.pending = self.backend.append_features(seq.pending, req.aux)
+        if self.backend.needs_aux:  # fused later (_fuse), off the hit path: a hit replies with no draft work
+            seq.raw.append(req.aux)
         elif proposal is not None and seq.fed:
             # the accepted path is cached where it lies only for a chain (trees are fed again)
             seq.num_cached = seq.path_base + (len(path) if proposal.parents is None else 0)
@@ -230,6 +233,18 @@ class Speculator:
         none = {"cache_hit": None, "lookup_k": None, "fanout": None, "fanout_power": None}
         return replace(draft, tokens=list(draft.tokens), hidden=None, **{**none, **lookup})
 
+    def _fuse(self, seqs: list[_Seq]) -> None:
+        """EAGLE-3: fuse the aux states the rows' outcomes brought (``raw``) into their ``pending`` features, all
+        rows' in one call (after the reply on a hit: in the build; on a miss: before the backup drafts)."""
+        rows = [s for s in seqs if s.raw]
+        if not rows:
+            return
+        fused = self.backend.fuse(torch.cat([a for s in rows for a in s.raw])).split([sum(a.shape[0] for a in s.raw)
+                                                                                  for s in rows])
+        for seq, new in zip(rows, fused):
+            seq.pending = new if seq.pending is None else torch.cat([seq.pending, new])
+            seq.raw = []
+
     # backups
     def _fast_backup(self, rows: list[_Seq], budgets: list[int]) -> list[Proposal]:
         min_n, max_n = self.prompt_lookup
@@ -244,6 +259,7 @@ class Speculator:
         if not active:
             return drafts
         seqs = [rows[i] for i in active]
+        self._fuse(seqs)
         before = self.backend.forwards
         out = draft_from_committed(self.backend, seqs, [s.num_cached for s in seqs], [s.pending for s in seqs],
                                    [budgets[i] for i in active], self.saguaro_miss, self.tree)
@@ -259,12 +275,12 @@ class Speculator:
         ``self.budget.cap()`` branches (the padded rows x branches per row; best candidates kept first).
 
         It stops before its next draft forward once ``poll()`` returns True (the verifier's next message arrived,
-        unless finishing answers sooner on average: ``BuildBudget.worth_finishing``) or ``time.perf_counter()``
+        unless finishing answers it sooner: :meth:`_worth_finishing`) or ``time.perf_counter()``
         passes ``deadline`` (seconds). Unfinished branches are dropped: only a branch drafted to its end enters the
         cache; what the dropped ones wrote lies past the committed text, where no later forward looks. Returns
         whether the build ran to its end."""
         start = time.perf_counter()
-        self._stop = BuildStop(poll, deadline)
+        self._stop, self._waiting = BuildStop(poll, deadline), None
         rows = [(s, missed) for s, missed in self._to_build if s.slot in self.seqs and s.proposal is not None]
         self._to_build = []
         if self.auto is not None and (fanout := self.auto.refit()) is not None:
@@ -279,7 +295,7 @@ class Speculator:
             self.stats.interrupted += 1
             return False
         finally:
-            self._stop = BuildStop()
+            self._stop, self._waiting = BuildStop(), None
             self.stats.build_time += time.perf_counter() - start
             self.stats.builds += bool(rows)
         return True
@@ -287,8 +303,9 @@ class Speculator:
     def _build_rows(self, rows: list[tuple[_Seq, bool]], start: float) -> None:
         seqs = [s for s, _ in rows]
         steps = self.K if self.tree is None else self.tree.depth  # branch forwards of a build (trees: about)
-        self._stop.finish = lambda: self.budget.worth_finishing(self.budget.remaining_s(steps, fixed=True))
+        self._stop.finish = lambda: self._worth_finishing(self.budget.remaining_s(steps, fixed=True), None)
         self._stop.check()
+        self._fuse(seqs)
         node_logits, node_hidden, node_kv = self._proposal_forward(seqs)
         for seq in seqs:
             seq.fed = True
@@ -307,14 +324,39 @@ class Speculator:
         if any(branches):
             fixed, before, complete = time.perf_counter() - start, self.backend.forwards, False
             n = len(rows) * max(map(len, branches))
-            self._stop.finish = lambda: self.budget.worth_finishing(
-                self.budget.remaining_s(steps - (self.backend.forwards - before), n))
+            built = None if self.tree is not None else {s.slot: {br["key"] for br in row}
+                                                        for s, row in zip(seqs, branches)}
+            self._stop.finish = lambda: self._worth_finishing(
+                self.budget.remaining_s(steps - (self.backend.forwards - before), n), built)
             try:
                 (self._draft_branch_trees if self.tree is not None else self._draft_branch_chains)(seqs, branches)
                 complete = True
             finally:
                 self.budget.observe_build(fixed, n, self.backend.forwards - before, time.perf_counter() - start - fixed,
                                           complete)
+
+    def expect(self, requests: list[SpecRequest]) -> None:
+        """The verifier's next outcomes, arrived while a build runs (the worker reads them as soon as they land):
+        the build then goes on only if that answers every one of them from the cache sooner than a backup would
+        (:meth:`_worth_finishing`), else it stops before its next forward and they are answered at once."""
+        self._waiting = requests
+
+    def _worth_finishing(self, remaining_s: float, built: dict[int, set] | None) -> bool:
+        """Whether the build goes on now that ``poll`` fired, with ``remaining_s`` seconds of it left. With the
+        waiting outcomes known (:meth:`expect`): only if ``built`` (per slot, the keys the running chain build
+        caches when it ends; None before the branches are chosen, and for trees, whose levels grown so far are
+        answered at once) holds the outcome of every row that asked for drafts, with less left than a backup
+        takes: a miss is never made to wait for branches it cannot use. Otherwise the outcome is unknown (a
+        message other than PROPOSE, or no peek): :meth:`BuildBudget.worth_finishing` guesses from the hit rate."""
+        if self._waiting is None:
+            return self.budget.worth_finishing(remaining_s)
+        asked = [r for r in self._waiting if r.budget > 0]
+        if built is None or not asked:
+            return False
+        hit = all(r.num_accepted >= 0 and r.slot in self.seqs and self._key(self.seqs[r.slot], r) in built.get(r.slot, ())
+                  for r in asked)
+        backup = self.budget.backup_s
+        return hit and (backup is None or remaining_s < backup)
 
     def _proposal_forward(self, seqs: list[_Seq]):
         """One tree-masked forward per row over the uncached committed tokens (a chain ending at the root, the
