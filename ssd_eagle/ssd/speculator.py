@@ -5,17 +5,19 @@ For every sequence the speculator keeps the committed text, its draft cache, the
 chain the accepted tokens are ``s_1..s_k``, so the key is the paper's ``(k, bonus)``. A round:
 
 1. ``propose``: the verifier reports the outcome of its last verification; the speculator commits it, looks it up
-   (a *hit* returns the cached proposal at once, with no draft forward: the round is *seeded* from the cache) and
-   otherwise runs the backup: ``neural`` (the draft drafts now, from the fresh target features for EAGLE-3) or
-   ``fast`` (n-gram lookup). A miss in one row never redrafts the others. The reply goes out first.
+   (a *hit* returns the cached proposal at once, with no draft work: the round is *seeded* from the cache; EAGLE-3's
+   fuse of the outcome's aux states waits for the build) and otherwise runs the backup: ``neural`` (the draft drafts
+   now, from the fresh target features for EAGLE-3) or ``fast`` (n-gram lookup). A miss in one row never redrafts
+   the others. The reply goes out first.
 2. ``build`` (while the target verifies that reply): one forward over the uncached committed tokens and the
    proposal's nodes gives the draft distribution after every node u. Outcome "the accepted path ends at u"
    gets the top-F_u tokens there as bonus candidates, excluding u's children (an equal bonus would have been an
    acceptance). Every branch ``(path to u, b)`` then drafts its next proposal, all branches of all rows together
    in tree-masked forwards: K forwards for chains, 1 + (depth - 1) for dynamic trees, whatever the fan-out.
    The branches are capped so that the build fits in a verification (:mod:`ssd_eagle.ssd.budget`); a build still
-   running when the next outcome arrives stops before its next forward, and that outcome is answered at once
-   from what is complete (a branch enters the cache only once drafted to the end), else by the backup.
+   running when the next outcome arrives goes on only if it caches that outcome sooner than a backup drafts, else
+   stops before its next forward (a chain branch enters the cache only drafted to its end; a tree keeps its grown
+   levels) and the outcome is answered at once.
 
 Fan-out: chains use F_0..F_K by depth (uniform or geometric, :mod:`ssd_eagle.ssd.fanout`); trees spread the budget
 B over nodes by the measured P(the outcome lands at u) x P(bonus rank f there) (:mod:`ssd_eagle.ssd.branch_trees`,
@@ -42,8 +44,8 @@ from ssd_eagle.drafters.ngram import lookup_continuation
 from ssd_eagle.drafters.tree import TreeSettings
 from ssd_eagle.kv_cache import ForwardBatch
 from ssd_eagle.sampling_params import SamplingParams
-from ssd_eagle.ssd.branch_trees import (NodeHitTable, NodeLayout, draft_branch_trees, draft_land_probabilities,
-                                        outcome_branches, ranked_candidates, tree_fanout)
+from ssd_eagle.ssd.branch_trees import (NodeHitTable, NodeLayout, branch_batch, draft_branch_trees,
+                                        draft_land_probabilities, outcome_branches, ranked_candidates, tree_fanout)
 from ssd_eagle.ssd.budget import BuildBudget, BuildInterrupted, BuildStop
 from ssd_eagle.ssd.fanout import AutoFanout
 from ssd_eagle.ssd.lookup import SpecRequest, SpeculatorStats
@@ -115,7 +117,6 @@ class Speculator:
         self.node_table = NodeHitTable(max(sum(self.fanout), sum(self.fanout_miss), 1))  # where outcomes land
         self.budget = BuildBudget()  # caps the branches so that a build fits in one verification
         self._stop = BuildStop()  # when the running build stops early (set by build)
-        self._waiting: list[SpecRequest] | None = None  # the outcomes that arrived mid-build (expect)
         self._to_build: list[tuple[_Seq, bool]] = []
 
     def _set_fanout(self, fanout: list[int], fanout_miss: list[int] | None = None) -> None:
@@ -236,12 +237,10 @@ class Speculator:
     def _fuse(self, seqs: list[_Seq]) -> None:
         """EAGLE-3: fuse the aux states the rows' outcomes brought (``raw``) into their ``pending`` features, all
         rows' in one call (after the reply on a hit: in the build; on a miss: before the backup drafts)."""
-        rows = [s for s in seqs if s.raw]
-        if not rows:
+        if not (rows := [s for s in seqs if s.raw]):
             return
-        fused = self.backend.fuse(torch.cat([a for s in rows for a in s.raw])).split([sum(a.shape[0] for a in s.raw)
-                                                                                  for s in rows])
-        for seq, new in zip(rows, fused):
+        sizes = [sum(a.shape[0] for a in s.raw) for s in rows]
+        for seq, new in zip(rows, self.backend.fuse(torch.cat([a for s in rows for a in s.raw])).split(sizes)):
             seq.pending = new if seq.pending is None else torch.cat([seq.pending, new])
             seq.raw = []
 
@@ -280,7 +279,7 @@ class Speculator:
         cache; what the dropped ones wrote lies past the committed text, where no later forward looks. Returns
         whether the build ran to its end."""
         start = time.perf_counter()
-        self._stop, self._waiting = BuildStop(poll, deadline), None
+        self._stop = BuildStop(poll, deadline)
         rows = [(s, missed) for s, missed in self._to_build if s.slot in self.seqs and s.proposal is not None]
         self._to_build = []
         if self.auto is not None and (fanout := self.auto.refit()) is not None:
@@ -295,7 +294,7 @@ class Speculator:
             self.stats.interrupted += 1
             return False
         finally:
-            self._stop, self._waiting = BuildStop(), None
+            self._stop = BuildStop()
             self.stats.build_time += time.perf_counter() - start
             self.stats.builds += bool(rows)
         return True
@@ -336,27 +335,23 @@ class Speculator:
                                           complete)
 
     def expect(self, requests: list[SpecRequest]) -> None:
-        """The verifier's next outcomes, arrived while a build runs (the worker reads them as soon as they land):
-        the build then goes on only if that answers every one of them from the cache sooner than a backup would
-        (:meth:`_worth_finishing`), else it stops before its next forward and they are answered at once."""
-        self._waiting = requests
+        """The verifier's next outcomes, arrived mid-build (the worker reads them as soon as they land): the build
+        goes on only if it answers them all from the cache sooner than a backup (:meth:`_worth_finishing`)."""
+        self._stop.waiting = requests
 
     def _worth_finishing(self, remaining_s: float, built: dict[int, set] | None) -> bool:
-        """Whether the build goes on now that ``poll`` fired, with ``remaining_s`` seconds of it left. With the
-        waiting outcomes known (:meth:`expect`): only if ``built`` (per slot, the keys the running chain build
-        caches when it ends; None before the branches are chosen, and for trees, whose levels grown so far are
-        answered at once) holds the outcome of every row that asked for drafts, with less left than a backup
-        takes: a miss is never made to wait for branches it cannot use. Otherwise the outcome is unknown (a
-        message other than PROPOSE, or no peek): :meth:`BuildBudget.worth_finishing` guesses from the hit rate."""
-        if self._waiting is None:
+        """Whether the build goes on now that ``poll`` fired, ``remaining_s`` seconds of it left. With the outcomes
+        known (:meth:`expect`): only if ``built`` (per slot, the keys the chain build caches at its end; None before
+        the branches are chosen and for trees, whose grown levels answer at once) holds that of every row asking for
+        drafts, with less left than a backup takes: a miss never waits for branches it cannot use. Unknown (a
+        message other than PROPOSE): :meth:`BuildBudget.worth_finishing` guesses from the hit rate."""
+        if self._stop.waiting is None:
             return self.budget.worth_finishing(remaining_s)
-        asked = [r for r in self._waiting if r.budget > 0]
-        if built is None or not asked:
-            return False
-        hit = all(r.num_accepted >= 0 and r.slot in self.seqs and self._key(self.seqs[r.slot], r) in built.get(r.slot, ())
-                  for r in asked)
-        backup = self.budget.backup_s
-        return hit and (backup is None or remaining_s < backup)
+        asked = [r for r in self._stop.waiting if r.budget > 0]
+        hit = built is not None and bool(asked) and all(
+            r.num_accepted >= 0 and r.slot in self.seqs and self._key(self.seqs[r.slot], r) in built.get(r.slot, ())
+            for r in asked)
+        return hit and (self.budget.backup_s is None or remaining_s < self.budget.backup_s)
 
     def _proposal_forward(self, seqs: list[_Seq]):
         """One tree-masked forward per row over the uncached committed tokens (a chain ending at the root, the
@@ -409,34 +404,16 @@ class Speculator:
         branches, seq.candidates = outcome_branches(nodes, ranked, fan, kv, hidden)
         return branches
 
-    def _branch_batch(self, seqs: list[_Seq], branches: list[list[dict]]):
-        """Per-branch tensors: tokens [B, F], rotary positions of the branch roots, base visibility, features."""
-        b = self.backend
-        B, F = len(seqs), max(len(br) for br in branches)
-        if b.static is not None and b.static.pads:  # always the fan-out budget wide (one captured width)
-            F = max(F, sum(self.fanout), sum(self.fanout_miss))
-        tokens = torch.zeros(B, F, dtype=torch.long)
-        root_pos = torch.zeros(B, F, dtype=torch.long)
-        width = max(max(br["visible"]) for row in branches for br in row) + 1
-        base = torch.zeros(B, F, width, dtype=torch.bool)
-        feats = torch.zeros(B, F, b.hidden_size, dtype=b.dtype, device=b.device) if b.needs_aux else None
-        for r, (seq, row) in enumerate(zip(seqs, branches)):
-            committed = len(seq.token_ids) - 1 - b.offset  # cache positions before the root's
-            base[r, :, :committed] = True
-            for i, br in enumerate(row):
-                tokens[r, i] = br["token"]
-                root_pos[r, i] = len(seq.token_ids) + br["depth"] - b.offset
-                base[r, i, br["visible"]] = True
-                if feats is not None:
-                    feats[r, i] = br["feature"]
-        region = torch.tensor([kv_end(seq, b.offset) for seq in seqs])[:, None]
-        return tokens, root_pos, base, feats, region, F
+    def _pad_width(self) -> int:
+        """Fewest branches per row in a build's forwards: the fan-out budget in padded fixed shapes, else 1."""
+        pads = self.backend.static is not None and self.backend.static.pads
+        return max(sum(self.fanout), sum(self.fanout_miss)) if pads else 1
 
     def _draft_branch_chains(self, seqs: list[_Seq], branches: list[list[dict]]) -> None:
         """K tokens for every branch: K tree-masked forwards over all branches of all rows at once. Branch i of
         row r writes its root at cache position ``region_r + i`` and its token of chain index j at
         ``region_r + (j + 1) * F + i``; it sees the committed text, the path to its node and its own writes."""
-        tokens, positions, base, feats, region, F = self._branch_batch(seqs, branches)
+        tokens, positions, base, feats, region, F = branch_batch(self.backend, seqs, branches, self._pad_width())
         B = len(seqs)
         slots = [s.slot for s in seqs]
         branch_idx = torch.arange(F)[None, :]
@@ -464,15 +441,10 @@ class Speculator:
         """Trees grown from every branch root (:func:`~ssd_eagle.ssd.branch_trees.draft_branch_trees`); a build due
         to stop (``self._stop``) stops growing them, and the levels grown so far are kept: a shallower tree is still a
         proposal."""
-        tokens, positions, base, feats, _, _ = batch = self._branch_batch(seqs, branches)
+        tokens, positions, base, feats, _, _ = batch = branch_batch(self.backend, seqs, branches, self._pad_width())
         trees = draft_branch_trees(self.backend, [s.slot for s in seqs], tokens, positions, base, feats, batch[4],
                                    [len(row) for row in branches], self.tree, self.K, self._stop.due)
         for seq, row, row_trees in zip(seqs, branches, trees):
             for br, tree in zip(row, row_trees):
                 seq.cache[br["key"]] = tree
-
-
-def kv_end(seq: _Seq, offset: int) -> int:
-    """First cache position past the committed text and the proposal (where branches are written)."""
-    return len(seq.token_ids) - 1 - offset + 1 + len(seq.proposal.tokens)
 
