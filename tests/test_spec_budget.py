@@ -137,9 +137,6 @@ class SlowBuildSpeculator:
     def propose(self, requests):
         return [Proposal([]) for _ in requests]
 
-    def expect(self, requests):  # the outcomes read mid-build (this build never stops)
-        pass
-
     def build(self, poll):
         for _ in range(6):
             time.sleep(0.01)

@@ -12,12 +12,9 @@ measures
 
 and caps the branches it builds (best candidates kept first) with :func:`branch_cap`. A build that still runs when
 the verifier's next outcome arrives stops at the next branch-step boundary (:class:`BuildStop`), the outcome is
-answered at once and the unfinished branches are dropped, unless finishing answers sooner. The worker reads the
-outcome as it lands (:attr:`BuildStop.waiting`), so the speculator knows whether the build will cache it: it goes
-on only for a hit due before a backup would be (:meth:`~ssd_eagle.ssd.speculator.Speculator.expect`). Where the
-outcome is not known (another message), the rule guesses: with R seconds of build left, p the hit rate after a
-finished build and B the backup's time, finishing waits ``R + (1 - p) B`` on average, stopping ``B``
-(:meth:`BuildBudget.worth_finishing`). p is only measured after
+answered at once and the unfinished branches are dropped, unless finishing is expected to answer sooner: with R
+seconds of build left, p the hit rate after a finished build and B the backup's time, finishing waits
+``R + (1 - p) B`` on average, stopping ``B`` (:meth:`BuildBudget.worth_finishing`). p is only measured after
 finished builds, so the rule draws it from its posterior (Thompson sampling) instead of using its mean: with the mean
 a drafter whose first builds missed had p near 0, never finished a build again and so never measured p again (a
 draft LM whose step outlasts a verification hit 0.00). An in-process speculator's deadline stops the build
@@ -45,14 +42,11 @@ class BuildStop:
         poll: returns True once the verifier's next message has arrived (the worker's link), or None.
         deadline: a ``time.perf_counter()`` value (seconds) past which the build stops, or None.
         finish: returns whether finishing the build beats stopping it now (asked only once ``poll`` fired).
-        waiting: the outcomes that arrived, when the poll read them (then ``finish`` decides from them, not from
-            the hit rate).
     """
 
     poll: Callable[[], bool] | None = None
     deadline: float | None = None
     finish: Callable[[], bool] | None = None
-    waiting: list | None = None  # the outcomes (SpecRequest rows) read once ``poll`` fired, None: not known
 
     def due(self) -> bool:
         if self.deadline is not None and time.perf_counter() >= self.deadline:

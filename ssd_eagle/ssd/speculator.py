@@ -15,9 +15,8 @@ chain the accepted tokens are ``s_1..s_k``, so the key is the paper's ``(k, bonu
    acceptance). Every branch ``(path to u, b)`` then drafts its next proposal, all branches of all rows together
    in tree-masked forwards: K forwards for chains, 1 + (depth - 1) for dynamic trees, whatever the fan-out.
    The branches are capped so that the build fits in a verification (:mod:`ssd_eagle.ssd.budget`); a build still
-   running when the next outcome arrives goes on only if it caches that outcome sooner than a backup drafts, else
-   stops before its next forward (a chain branch enters the cache only drafted to its end; a tree keeps its grown
-   levels) and the outcome is answered at once.
+   running when the next outcome arrives stops before its next forward, and that outcome is answered at once
+   from what is complete (a branch enters the cache only once drafted to the end), else by the backup.
 
 Fan-out: chains use F_0..F_K by depth (uniform or geometric, :mod:`ssd_eagle.ssd.fanout`); trees spread the budget
 B over nodes by the measured P(the outcome lands at u) x P(bonus rank f there) (:mod:`ssd_eagle.ssd.branch_trees`,
@@ -274,7 +273,7 @@ class Speculator:
         ``self.budget.cap()`` branches (the padded rows x branches per row; best candidates kept first).
 
         It stops before its next draft forward once ``poll()`` returns True (the verifier's next message arrived,
-        unless finishing answers it sooner: :meth:`_worth_finishing`) or ``time.perf_counter()``
+        unless finishing answers sooner on average: ``BuildBudget.worth_finishing``) or ``time.perf_counter()``
         passes ``deadline`` (seconds). Unfinished branches are dropped: only a branch drafted to its end enters the
         cache; what the dropped ones wrote lies past the committed text, where no later forward looks. Returns
         whether the build ran to its end."""
@@ -302,7 +301,7 @@ class Speculator:
     def _build_rows(self, rows: list[tuple[_Seq, bool]], start: float) -> None:
         seqs = [s for s, _ in rows]
         steps = self.K if self.tree is None else self.tree.depth  # branch forwards of a build (trees: about)
-        self._stop.finish = lambda: self._worth_finishing(self.budget.remaining_s(steps, fixed=True), None)
+        self._stop.finish = lambda: self.budget.worth_finishing(self.budget.remaining_s(steps, fixed=True))
         self._stop.check()
         self._fuse(seqs)
         node_logits, node_hidden, node_kv = self._proposal_forward(seqs)
@@ -323,35 +322,14 @@ class Speculator:
         if any(branches):
             fixed, before, complete = time.perf_counter() - start, self.backend.forwards, False
             n = len(rows) * max(map(len, branches))
-            built = None if self.tree is not None else {s.slot: {br["key"] for br in row}
-                                                        for s, row in zip(seqs, branches)}
-            self._stop.finish = lambda: self._worth_finishing(
-                self.budget.remaining_s(steps - (self.backend.forwards - before), n), built)
+            self._stop.finish = lambda: self.budget.worth_finishing(
+                self.budget.remaining_s(steps - (self.backend.forwards - before), n))
             try:
                 (self._draft_branch_trees if self.tree is not None else self._draft_branch_chains)(seqs, branches)
                 complete = True
             finally:
                 self.budget.observe_build(fixed, n, self.backend.forwards - before, time.perf_counter() - start - fixed,
                                           complete)
-
-    def expect(self, requests: list[SpecRequest]) -> None:
-        """The verifier's next outcomes, arrived mid-build (the worker reads them as soon as they land): the build
-        goes on only if it answers them all from the cache sooner than a backup (:meth:`_worth_finishing`)."""
-        self._stop.waiting = requests
-
-    def _worth_finishing(self, remaining_s: float, built: dict[int, set] | None) -> bool:
-        """Whether the build goes on now that ``poll`` fired, ``remaining_s`` seconds of it left. With the outcomes
-        known (:meth:`expect`): only if ``built`` (per slot, the keys the chain build caches at its end; None before
-        the branches are chosen and for trees, whose grown levels answer at once) holds that of every row asking for
-        drafts, with less left than a backup takes: a miss never waits for branches it cannot use. Unknown (a
-        message other than PROPOSE): :meth:`BuildBudget.worth_finishing` guesses from the hit rate."""
-        if self._stop.waiting is None:
-            return self.budget.worth_finishing(remaining_s)
-        asked = [r for r in self._stop.waiting if r.budget > 0]
-        hit = built is not None and bool(asked) and all(
-            r.num_accepted >= 0 and r.slot in self.seqs and self._key(self.seqs[r.slot], r) in built.get(r.slot, ())
-            for r in asked)
-        return hit and (self.budget.backup_s is None or remaining_s < self.budget.backup_s)
 
     def _proposal_forward(self, seqs: list[_Seq]):
         """One tree-masked forward per row over the uncached committed tokens (a chain ending at the root, the

@@ -108,24 +108,19 @@ def worker_main(settings: SpeculatorSettings, draft, startup_timeout: float = 30
 def serve(speculator, channel: t.Channel, intervals: list[float]) -> None:
     """The request loop until SHUTDOWN (also handy to drive from a test); ``intervals`` collects every build's
     wall-clock start and end. The verification time (reply sent -> next PROPOSE arrived, noted by polling between
-    the build's forwards) sizes the next builds (:mod:`ssd_eagle.ssd.budget`). A message arriving mid-build is read
-    at once, and a PROPOSE's outcomes are handed to the build (``speculator.expect``), which then goes on only if
-    it caches them all sooner than a backup drafts, else stops at its next forward: the message is answered at
-    once."""
-    sent = arrived = waiting = None  # waiting: (the message read mid-build, its outcomes if a PROPOSE)
+    the build's forwards) sizes the next builds (:mod:`ssd_eagle.ssd.budget`); a message arriving mid-build stops
+    the build at its next forward, so that it is answered at once."""
+    sent = arrived = None
 
     def poll() -> bool:
-        """Whether the verifier's next message has arrived (noting when, and reading it)."""
-        nonlocal arrived, waiting
-        if waiting is None and channel.poll():
-            arrived, msg = time.perf_counter(), channel.recv()
-            waiting = msg, p.decode_propose(msg) if msg.command == p.PROPOSE else None
-            if waiting[1] is not None:
-                speculator.expect(waiting[1])
-        return waiting is not None
+        """Whether the verifier's next message has arrived (noting when)."""
+        nonlocal arrived
+        if arrived is None and channel.poll():
+            arrived = time.perf_counter()
+        return arrived is not None
 
     while True:
-        (msg, requests), waiting = waiting or (channel.recv(), None), None
+        msg = channel.recv()
         if msg.command == p.SHUTDOWN:
             return
         if msg.command != p.PROPOSE:  # the verifier did something else than verify: no verification time
@@ -141,7 +136,7 @@ def serve(speculator, channel: t.Channel, intervals: list[float]) -> None:
             if sent is not None:
                 speculator.budget.observe_verify((arrived or time.perf_counter()) - sent)
             try:
-                replies = speculator.propose(requests if requests is not None else p.decode_propose(msg))
+                replies = speculator.propose(p.decode_propose(msg))
             except Exception:  # noqa: BLE001 - the verifier must hear back, whatever broke
                 channel.send(p.Message(p.ERROR))
                 raise
