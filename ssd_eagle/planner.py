@@ -10,7 +10,8 @@ tokens per row, where ``a_i`` is the probability that draft position i is accept
 (measured on the running request). The planner picks the K that maximises the batch's expected tokens per second
 ``sum_rows E_row(K) / T(K)``; K = 0 (plain decoding) competes on the same footing, so a drafter that does not pay
 is switched off. While off, a request *probes* (a short draft now and then, less often while probes fail) so that
-speculation comes back when drafts start to pay. SSD engines are planned on or off only (see :func:`planner_for`).
+speculation comes back when drafts start to pay. SSD engines are planned the same way, their ``D(K)`` being the
+verifier's wait for the speculator (see :func:`planner_for`).
 
 Costs: :func:`measure_verify_costs` times ``V(n, B)`` for n = 1..N new tokens per batch-size bucket in a few
 forwards at start-up; the table is cached on disk per (model, dtype, threads and CPU affinity, torch version, code
@@ -373,16 +374,17 @@ def planner_for(engine, spec) -> Planner | None:
     single-device target (None otherwise: trees, a tensor-parallel target, ``adaptive: false``). Measures (or reads
     back) the verify cost table, so call it before any request is admitted.
 
-    SD: K in 0..K is the planner's to choose unless ``num_speculative_tokens`` was given explicitly (then only 0
-    or K). SSD: only whether to speculate (0 or K), for three reasons. The speculator's fan-out and its time
-    budget (:mod:`ssd_eagle.ssd.budget`) are sized for K, so a shorter cut wastes the branches built for it; the
-    verifier's cost of a round is its wait, which depends on the cache hit rate at that length, not on the
-    drafter's per-step time that the cost line ``d0 + d1 K`` models; and the round's ``draft_seconds`` (the wait)
-    is what the planner learns, which is right for the on/off decision: speculating pays when
-    ``E(K) / (V(K + 1) + wait) > 1 / V(1)``. While off, the speculator still commits every outcome (a budget of
-    0) and a probe's reply comes from its cache on a hit, so speculation resumes at no rebuild cost. An in-line
-    speculator (``speculator: local``, for tests and debugging: its builds run on the verifier's time) is not
-    planned, so that it runs exactly what its config says.
+    K in 0..K is the planner's to choose unless ``num_speculative_tokens`` was given explicitly (then only 0 or K),
+    for SD and SSD alike. For SSD the round's ``draft_seconds`` is the verifier's wait for the speculator: about
+    nothing on a cache hit and a backup drafting k tokens on a miss, so the learnt line ``d0 + d1 k`` is the mean
+    wait ``(1 - p) D_backup(k)`` at the measured hit rate p, and the planner picks the k that maximises
+    ``E(k) / (V(k + 1) + wait(k))``, which is SD's rule with SD's draft time replaced by SSD's wait: wherever a
+    hit saves drafting, SSD's plan is at least SD's. The speculator still builds K-chains (its fan-out and time
+    budget are sized for K); a reply is cut to the planned k (a prefix of a cached chain is still a proposal).
+    While off, the speculator still commits every outcome (a budget of 0) and a probe's reply comes from its cache
+    on a hit, so speculation resumes at no rebuild cost. An in-line speculator (``speculator: local``, for tests
+    and debugging: its builds run on the verifier's time) is not planned, so that it runs exactly what its config
+    says.
     """
     from ssd_eagle.model_runner import ModelRunner
     from ssd_eagle.ssd.client import LocalSpeculator
@@ -394,5 +396,5 @@ def planner_for(engine, spec) -> Planner | None:
         return None
     k = spec.num_speculative_tokens
     costs = measure_verify_costs(engine.target, k + 1, engine.max_num_seqs)
-    choose_k = mode == "sd" and "num_speculative_tokens" not in spec.model_fields_set
+    choose_k = "num_speculative_tokens" not in spec.model_fields_set
     return Planner(PlannerConfig(max_k=k, choose_k=choose_k), costs)

@@ -211,6 +211,22 @@ def test_planner_for_measures_costs_for_sd_chains_only(byte_tokenizer, tmp_path,
     assert planner_for(engine, SpeculativeConfig(method="draft_model", model="d", tree_budget=8)) is None
 
 
+def test_ssd_is_planned_by_sds_rule_on_its_wait_and_drafts_longer_than_sd_when_hits_save_drafting():
+    """Hand-computed: flat 30 ms verification, every position accepted at 0.6 (E(k) = 1, 1.6, 1.96, 2.176, 2.3056,
+    2.38336). SD drafts 8 ms a token: E/T peaks at k = 2 (1.96 / 46 ms). SSD waits only on misses (hit rate 0.8):
+    1.6 ms a token, E/T peaks at k = 4 (2.3056 / 36.4 ms), above SD's best and AR's 1 / 30 ms."""
+    best = {}
+    for name, per_token in (("sd", 8e-3), ("ssd", 0.2 * 8e-3)):
+        planner = planner_with([0.03] * 6, rate=0.6, learn_costs=False)
+        for _ in range(20):  # the learnt line: what the engine's rounds teach it (draft time or wait vs k)
+            for k in (1, 3, 5):
+                planner.draft_cost.update(k, per_token * k)
+        best[name] = planner.choose(["r"])["r"], planner.rate(planner.choose(["r"])["r"], ["r"])
+    assert best["sd"][0] == 2 and best["ssd"][0] == 4
+    assert best["sd"][1] == pytest.approx(1.96 / 0.046, rel=1e-3)
+    assert best["ssd"][1] == pytest.approx(2.3056 / 0.0364, rel=1e-3)
+
+
 def test_measure_verify_costs_fits_a_short_cache(tmp_path, monkeypatch):
     """Bug fix: a 128-token probe context raised in an engine whose max_model_len was shorter."""
     from ssd_eagle.model_runner import ModelRunner
@@ -297,8 +313,7 @@ def test_with_each_drafter_a_useless_one_ends_in_plain_decoding_and_a_good_one_c
     drafter = Saboteur(real_drafter(kind, target, byte_tokenizer))
     engine = LLMEngine(target, byte_tokenizer, drafter, num_speculative_tokens=CYCLE_K, max_num_seqs=1,
                        max_model_len=256)
-    choose_k = kind != "ssd"  # SSD: on or off only (ssd_eagle.planner.planner_for)
-    engine.planner = Planner(PlannerConfig(max_k=CYCLE_K, choose_k=choose_k, probe_every=4, learn_costs=False,
+    engine.planner = Planner(PlannerConfig(max_k=CYCLE_K, choose_k=True, probe_every=4, learn_costs=False,
                                            probe_overhead=1.0), CHEAP_VERIFY)  # probes as often as the backoff allows
     llm = LLM(engine=engine)
     prompt = list(b"Hey \xc3\xa9")
@@ -330,8 +345,9 @@ def test_with_each_drafter_a_useless_one_ends_in_plain_decoding_and_a_good_one_c
     assert engine.stats.num_probes == bad.stats.num_probes + good.stats.num_probes
 
 
-def test_planner_for_plans_ssd_on_or_off_only_and_not_an_in_line_speculator(byte_tokenizer, tmp_path,
-                                                                           monkeypatch):
+def test_planner_for_plans_ssd_chains_as_sd_and_not_an_in_line_speculator(byte_tokenizer, tmp_path, monkeypatch):
+    """SSD is planned as SD is (issue 13): K in 0..K from the measured costs (its draft time being the verifier's
+    wait), only on/off with an explicit K; an in-line speculator is not planned."""
     from types import SimpleNamespace
 
     from ssd_eagle.config import SpeculativeConfig
@@ -344,6 +360,8 @@ def test_planner_for_plans_ssd_on_or_off_only_and_not_an_in_line_speculator(byte
     spec = SpeculativeConfig(method="draft_model", model="d")
     engine.drafter = SimpleNamespace(mode="ssd", speculator=object())  # a speculator process's link
     planner = planner_for(engine, spec)
-    assert planner is not None and not planner.config.choose_k and planner.config.max_k == 5
+    assert planner is not None and planner.config.choose_k and planner.config.max_k == 5
+    explicit = SpeculativeConfig(method="draft_model", model="d", num_speculative_tokens=5)
+    assert not planner_for(engine, explicit).config.choose_k
     engine.drafter = SimpleNamespace(mode="ssd", speculator=LocalSpeculator.__new__(LocalSpeculator))
     assert planner_for(engine, spec) is None

@@ -263,3 +263,33 @@ def draft_branch_trees(backend, slots: list[int], tokens: torch.Tensor, position
     for (r, _), tree in zip(real, trees):
         out[r].append(tree)
     return out
+
+
+def branch_batch(backend, seqs: list, branches: list[list[dict]], min_width: int = 1):
+    """The tensors of a build's branch forwards (chains and trees): for B rows (``token_ids`` and ``proposal`` of
+    each, the proposal's nodes cached right after the committed text) and their :func:`outcome_branches`, padded to
+    F = max(``min_width``, the widest row) branches per row.
+
+    Returns:
+        (tokens int64 [B, F] (the branch roots), their rotary positions [B, F], base visibility bool [B, F, S] (the
+        committed text and the path to each branch's node), EAGLE-3 features [B, F, H] or None, region int64 [B, 1]
+        (each row's first cache position past its committed text and proposal, where branches are written), F).
+    """
+    b = backend
+    B, F = len(seqs), max(min_width, max(len(br) for br in branches))
+    tokens = torch.zeros(B, F, dtype=torch.long)
+    root_pos = torch.zeros(B, F, dtype=torch.long)
+    width = max(max(br["visible"]) for row in branches for br in row) + 1
+    base = torch.zeros(B, F, width, dtype=torch.bool)
+    feats = torch.zeros(B, F, b.hidden_size, dtype=b.dtype, device=b.device) if b.needs_aux else None
+    for r, (seq, row) in enumerate(zip(seqs, branches)):
+        committed = len(seq.token_ids) - 1 - b.offset  # cache positions before the root's
+        base[r, :, :committed] = True
+        for i, br in enumerate(row):
+            tokens[r, i] = br["token"]
+            root_pos[r, i] = len(seq.token_ids) + br["depth"] - b.offset
+            base[r, i, br["visible"]] = True
+            if feats is not None:
+                feats[r, i] = br["feature"]
+    region = torch.tensor([len(s.token_ids) - b.offset + len(s.proposal.tokens) for s in seqs])[:, None]
+    return tokens, root_pos, base, feats, region, F

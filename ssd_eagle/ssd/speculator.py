@@ -5,9 +5,10 @@ For every sequence the speculator keeps the committed text, its draft cache, the
 chain the accepted tokens are ``s_1..s_k``, so the key is the paper's ``(k, bonus)``. A round:
 
 1. ``propose``: the verifier reports the outcome of its last verification; the speculator commits it, looks it up
-   (a *hit* returns the cached proposal at once, with no draft forward: the round is *seeded* from the cache) and
-   otherwise runs the backup: ``neural`` (the draft drafts now, from the fresh target features for EAGLE-3) or
-   ``fast`` (n-gram lookup). A miss in one row never redrafts the others. The reply goes out first.
+   (a *hit* returns the cached proposal at once, with no draft work: the round is *seeded* from the cache; EAGLE-3's
+   fuse of the outcome's aux states waits for the build) and otherwise runs the backup: ``neural`` (the draft drafts
+   now, from the fresh target features for EAGLE-3) or ``fast`` (n-gram lookup). A miss in one row never redrafts
+   the others. The reply goes out first.
 2. ``build`` (while the target verifies that reply): one forward over the uncached committed tokens and the
    proposal's nodes gives the draft distribution after every node u. Outcome "the accepted path ends at u"
    gets the top-F_u tokens there as bonus candidates, excluding u's children (an equal bonus would have been an
@@ -43,8 +44,8 @@ from ssd_eagle.drafters.ngram import lookup_continuation
 from ssd_eagle.drafters.tree import TreeSettings
 from ssd_eagle.kv_cache import ForwardBatch
 from ssd_eagle.sampling_params import SamplingParams
-from ssd_eagle.ssd.branch_trees import (NodeHitTable, NodeLayout, draft_branch_trees, draft_land_probabilities,
-                                        outcome_branches, ranked_candidates, tree_fanout)
+from ssd_eagle.ssd.branch_trees import (NodeHitTable, NodeLayout, branch_batch, draft_branch_trees,
+                                        draft_land_probabilities, outcome_branches, ranked_candidates, tree_fanout)
 from ssd_eagle.ssd.budget import BuildBudget, BuildInterrupted, BuildStop
 from ssd_eagle.ssd.fanout import AutoFanout
 from ssd_eagle.ssd.lookup import SpecRequest, SpeculatorStats
@@ -59,7 +60,8 @@ class _Seq:
     params: SamplingParams
     draft_generator: torch.Generator
     num_cached: int = 0  # first token position whose draft cache entry is not valid for the committed text
-    pending: torch.Tensor | None = None  # EAGLE-3 features of token positions num_cached .. len(token_ids) - 1
+    pending: torch.Tensor | None = None  # EAGLE-3 features of token positions num_cached .. (then raw's)
+    raw: list[torch.Tensor] = field(default_factory=list)  # EAGLE-3 aux states after pending's, not fused yet
     proposal: Proposal | None = None  # the last reply, with the draft's outputs (EAGLE-3)
     path_base: int = 0  # len(token_ids) when the proposal was made
     fed: bool = False  # whether a build's forward has cached the proposal (an interrupted build may not have)
@@ -140,6 +142,7 @@ class Speculator:
         if start == 0:  # (a new slot may need a row)
             self._fit_kv()
         end = len(seq.token_ids) - 1 if done else len(seq.token_ids)
+        self._fuse([seq])
         seq.pending = self.backend.prefill(slot, seq.token_ids, aux, seq.num_cached, end, seq.pending)
         seq.num_cached = end
 
@@ -198,8 +201,8 @@ class Speculator:
         path, bonus = self._key(seq, req)
         proposal = seq.proposal
         seq.token_ids.extend(list(path) + [bonus])
-        if self.backend.needs_aux:
-            seq.pending = self.backend.append_features(seq.pending, req.aux)
+        if self.backend.needs_aux:  # fused later (_fuse), off the hit path: a hit replies with no draft work
+            seq.raw.append(req.aux)
         elif proposal is not None and seq.fed:
             # the accepted path is cached where it lies only for a chain (trees are fed again)
             seq.num_cached = seq.path_base + (len(path) if proposal.parents is None else 0)
@@ -231,6 +234,16 @@ class Speculator:
         none = {"cache_hit": None, "lookup_k": None, "fanout": None, "fanout_power": None}
         return replace(draft, tokens=list(draft.tokens), hidden=None, **{**none, **lookup})
 
+    def _fuse(self, seqs: list[_Seq]) -> None:
+        """EAGLE-3: fuse the aux states the rows' outcomes brought (``raw``) into their ``pending`` features, all
+        rows' in one call (after the reply on a hit: in the build; on a miss: before the backup drafts)."""
+        if not (rows := [s for s in seqs if s.raw]):
+            return
+        sizes = [sum(a.shape[0] for a in s.raw) for s in rows]
+        for seq, new in zip(rows, self.backend.fuse(torch.cat([a for s in rows for a in s.raw])).split(sizes)):
+            seq.pending = new if seq.pending is None else torch.cat([seq.pending, new])
+            seq.raw = []
+
     # backups
     def _fast_backup(self, rows: list[_Seq], budgets: list[int]) -> list[Proposal]:
         min_n, max_n = self.prompt_lookup
@@ -245,6 +258,7 @@ class Speculator:
         if not active:
             return drafts
         seqs = [rows[i] for i in active]
+        self._fuse(seqs)
         before = self.backend.forwards
         out = draft_from_committed(self.backend, seqs, [s.num_cached for s in seqs], [s.pending for s in seqs],
                                    [budgets[i] for i in active], self.saguaro_miss, self.tree)
@@ -291,6 +305,7 @@ class Speculator:
             self.budget.chain_depth(self.K, len(rows) * -(-sum(self.fanout) // 2))  # branch forwards (trees: about)
         self._stop.finish = lambda: self.budget.worth_finishing(self.budget.remaining_s(steps, fixed=True))
         self._stop.check()
+        self._fuse(seqs)
         node_logits, node_hidden, node_kv = self._proposal_forward(seqs)
         for seq in seqs:
             seq.fed = True
@@ -372,35 +387,17 @@ class Speculator:
         branches, seq.candidates = outcome_branches(nodes, ranked, fan, kv, hidden)
         return branches
 
-    def _branch_batch(self, seqs: list[_Seq], branches: list[list[dict]]):
-        """Per-branch tensors: tokens [B, F], rotary positions of the branch roots, base visibility, features."""
-        b = self.backend
-        B, F = len(seqs), max(len(br) for br in branches)
-        if b.static is not None and b.static.pads:  # always the fan-out budget wide (one captured width)
-            F = max(F, sum(self.fanout), sum(self.fanout_miss))
-        tokens = torch.zeros(B, F, dtype=torch.long)
-        root_pos = torch.zeros(B, F, dtype=torch.long)
-        width = max(max(br["visible"]) for row in branches for br in row) + 1
-        base = torch.zeros(B, F, width, dtype=torch.bool)
-        feats = torch.zeros(B, F, b.hidden_size, dtype=b.dtype, device=b.device) if b.needs_aux else None
-        for r, (seq, row) in enumerate(zip(seqs, branches)):
-            committed = len(seq.token_ids) - 1 - b.offset  # cache positions before the root's
-            base[r, :, :committed] = True
-            for i, br in enumerate(row):
-                tokens[r, i] = br["token"]
-                root_pos[r, i] = len(seq.token_ids) + br["depth"] - b.offset
-                base[r, i, br["visible"]] = True
-                if feats is not None:
-                    feats[r, i] = br["feature"]
-        region = torch.tensor([kv_end(seq, b.offset) for seq in seqs])[:, None]
-        return tokens, root_pos, base, feats, region, F
+    def _pad_width(self) -> int:
+        """Fewest branches per row in a build's forwards: the fan-out budget in padded fixed shapes, else 1."""
+        pads = self.backend.static is not None and self.backend.static.pads
+        return max(sum(self.fanout), sum(self.fanout_miss)) if pads else 1
 
     def _draft_branch_chains(self, seqs: list[_Seq], branches: list[list[dict]], depth: int) -> None:
         """``depth`` (<= K) tokens for every branch: that many tree-masked forwards over all branches of all rows at
         once (``BuildBudget.chain_depth`` sizes it to the verification). Branch i of
         row r writes its root at cache position ``region_r + i`` and its token of chain index j at
         ``region_r + (j + 1) * F + i``; it sees the committed text, the path to its node and its own writes."""
-        tokens, positions, base, feats, region, F = self._branch_batch(seqs, branches)
+        tokens, positions, base, feats, region, F = branch_batch(self.backend, seqs, branches, self._pad_width())
         B = len(seqs)
         slots = [s.slot for s in seqs]
         branch_idx = torch.arange(F)[None, :]
@@ -428,15 +425,10 @@ class Speculator:
         """Trees grown from every branch root (:func:`~ssd_eagle.ssd.branch_trees.draft_branch_trees`); a build due
         to stop (``self._stop``) stops growing them, and the levels grown so far are kept: a shallower tree is still a
         proposal."""
-        tokens, positions, base, feats, _, _ = batch = self._branch_batch(seqs, branches)
+        tokens, positions, base, feats, _, _ = batch = branch_batch(self.backend, seqs, branches, self._pad_width())
         trees = draft_branch_trees(self.backend, [s.slot for s in seqs], tokens, positions, base, feats, batch[4],
                                    [len(row) for row in branches], self.tree, self.K, self._stop.due)
         for seq, row, row_trees in zip(seqs, branches, trees):
             for br, tree in zip(row, row_trees):
                 seq.cache[br["key"]] = tree
-
-
-def kv_end(seq: _Seq, offset: int) -> int:
-    """First cache position past the committed text and the proposal (where branches are written)."""
-    return len(seq.token_ids) - 1 - offset + 1 + len(seq.proposal.tokens)
 
