@@ -8,6 +8,7 @@ import json
 import os
 import random
 import shutil
+import signal
 import subprocess
 from pathlib import Path
 
@@ -475,6 +476,37 @@ def test_deepspeed_launch_on_a_taken_port_moves_to_a_free_one(tmp_path):
     world = next(line.split() for line in proc.stdout.splitlines() if line.startswith("world "))
     assert world[1:3] == ["0", "1"] and world[3].isdigit() and int(world[3]) != port, world
     assert f"MASTER_PORT {port} is taken" in proc.stdout + proc.stderr
+
+
+def test_torchrun_one_process_world_keeps_the_agents_port(tmp_path):
+    """``torchrun --nproc_per_node 1``: the elastic agent itself listens on ``MASTER_PORT`` (its store, which the
+    worker joins: ``TORCHELASTIC_USE_AGENT_STORE``), so that port is taken by design and the one-process world must
+    stay on it (moved to a free port, the worker waited for a store nobody serves)."""
+    import socket
+
+    if shutil.which("torchrun") is None:
+        pytest.fail("torchrun is not installed (it comes with torch)")
+    script = tmp_path / "world.py"
+    script.write_text("import os\nfrom train.distributed import init_distributed\n"
+                      "print('world', *init_distributed(), os.environ['MASTER_PORT'], flush=True)\n")
+    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
+    with socket.socket() as probe:
+        probe.bind(("", 0))
+        port = probe.getsockname()[1]
+    proc = subprocess.Popen(["torchrun", "--nproc_per_node", "1", "--master_port", str(port), str(script)],
+                            cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)  # (its own group: a hung worker is ended with the agent)
+    try:
+        out, err = proc.communicate(timeout=90)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        pytest.fail(f"the torchrun world did not start in 90 s (it left the agent's port): {err[-3000:]}")
+    assert proc.returncode == 0, out[-3000:] + err[-3000:]
+    world = next(line.split() for line in out.splitlines() if line.startswith("world "))
+    assert world[1:] == ["0", "1", str(port)], world
 
 
 def test_deepspeed_launch_trains_resumes_and_exports(tiny_setup, tmp_path, capsys):
