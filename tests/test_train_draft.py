@@ -453,6 +453,17 @@ def test_transformers_loading_bar_follows_the_trainer_progress(tiny_setup, tmp_p
 # ----------------------------------------------------------------------------------------------------------------
 # the deepspeed launches
 
+def _world_script(tmp_path):
+    """A script printing ``world RANK WORLD_SIZE MASTER_PORT`` after init_distributed, and a launcher's clean env."""
+    script = tmp_path / "world.py"
+    script.write_text("import os\nfrom train.distributed import init_distributed\n"
+                      "print('world', *init_distributed(), os.environ['MASTER_PORT'], flush=True)\n")
+    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
+    return script, env
+
+
 def test_deepspeed_launch_on_a_taken_port_moves_to_a_free_one(tmp_path):
     """``deepspeed --num_gpus 1`` sets ``MASTER_PORT`` to its ``--master_port`` (29500 unless given) even when
     another run holds that port: the one-process world moves to a free port instead of failing to bind."""
@@ -460,12 +471,7 @@ def test_deepspeed_launch_on_a_taken_port_moves_to_a_free_one(tmp_path):
 
     if shutil.which("deepspeed") is None:
         pytest.fail("the deepspeed launcher is not installed (pip install deepspeed)")
-    script = tmp_path / "world.py"
-    script.write_text("import os\nfrom train.distributed import init_distributed\n"
-                      "print('world', *init_distributed(), os.environ['MASTER_PORT'], flush=True)\n")
-    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
-    for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(key, None)
+    script, env = _world_script(tmp_path)
     with socket.socket() as other_run:  # a listening socket, like another run's rendezvous store
         other_run.bind(("", 0))
         other_run.listen()
@@ -486,12 +492,7 @@ def test_torchrun_one_process_world_keeps_the_agents_port(tmp_path):
 
     if shutil.which("torchrun") is None:
         pytest.fail("torchrun is not installed (it comes with torch)")
-    script = tmp_path / "world.py"
-    script.write_text("import os\nfrom train.distributed import init_distributed\n"
-                      "print('world', *init_distributed(), os.environ['MASTER_PORT'], flush=True)\n")
-    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
-    for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(key, None)
+    script, env = _world_script(tmp_path)
     with socket.socket() as probe:
         probe.bind(("", 0))
         port = probe.getsockname()[1]
