@@ -190,7 +190,7 @@ def main() -> None:
         every = [p for prompts in splits.values() for p in prompts]
         for name, spec in [(n, s) for n, s in specs.items() if s.method != "ngram"]:
             ssd = {**spec.to_dict(), "speculator": "local", "fanout_budget": args.fanout_budget}
-            tree = {"tree_budget": args.tree_budget, "tree_depth": args.k,
+            tree = {"tree_budget": args.tree_budget, "tree_depth": ks[0],
                     **({"tree_topk": args.tree_topk} if args.tree_topk else {})}
             chain = {"fanout_strategy": "geometric"}
             for kind, extra in (("tree", tree), ("chain", chain)):

@@ -10,11 +10,13 @@
 #   4. exports into OUT_DIR (bf16; the draft LM compact: its trained tensors only) and a tau estimate of each
 # Needs data/smollm2-135m/regenerated.jsonl.gz (scripts/regenerate_data.py). Extra arguments go to the feature
 # build and every training run (e.g. --max_steps 200 --autocast auto). NUM_GPUS (default 1) ranks per run;
-# PARALLEL=1 trains the three drafts at once. OUT_DIR (default runs/default-drafts) receives the exported drafts:
+# PARALLEL=1 trains the three drafts at once. OUT_DIR (default runs/default-drafts in the repository; a relative
+# OUT_DIR is taken from the current directory) receives the exported drafts:
 # the committed drafts/ folders are never written. Promote one after comparing its tau with the committed one's
 # (drafts/<name>/README.md), e.g.
 #   rm -r drafts/smollm2-135m-eagle3 && cp -r runs/default-drafts/smollm2-135m-eagle3 drafts/ && git add drafts/
 set -euo pipefail
+OUT_DIR=${OUT_DIR:+$(realpath -m "$OUT_DIR")}  # a relative OUT_DIR is the caller's, resolved before the cd
 cd "$(dirname "$0")/.."
 
 NUM_GPUS=${NUM_GPUS:-1}

@@ -120,16 +120,20 @@ def resolve_model_path(name: str) -> str:
 def _progress_bars(shown: bool):
     """transformers' and the hub's progress bars ("Loading weights", downloads) off inside the block unless
     ``shown`` (then as they were); the previous setting is restored."""
+    from huggingface_hub import utils as hub_utils
     from transformers.utils import logging as hf_logging
 
     if shown or not hf_logging.is_progress_bar_enabled():
         yield
         return
-    hf_logging.disable_progress_bar()
+    hub_off = hub_utils.are_progress_bars_disabled()
+    hf_logging.disable_progress_bar()  # (the hub's too)
     try:
         yield
     finally:
-        hf_logging.enable_progress_bar()
+        hf_logging.enable_progress_bar()  # (the hub's too, unless they were off before)
+        if hub_off:
+            hub_utils.disable_progress_bars()
 
 
 def load_model(name: str, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",

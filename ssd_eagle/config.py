@@ -14,7 +14,7 @@ import json
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import BeforeValidator, Field, model_validator
+from pydantic import BeforeValidator, Field, PrivateAttr, model_validator
 
 from ssd_eagle.assets import DEFAULT_MODEL
 from ssd_eagle.platform import DTYPE_HELP, DTYPES, resolve_dtype
@@ -101,6 +101,8 @@ class SpeculativeConfig(ConfigModel):
         "tree_topk 2 unless tree_topk is given; chains for ngram)")
     tree_depth: int = Field(5, ge=1, description="dynamic tree levels (capped by K)")
     tree_topk: int = Field(4, ge=1, description="dynamic tree expansions per level")
+    _auto_tree: bool = PrivateAttr(False)  # tree_budget was "auto" (to_dict dumps "auto" again) ...
+    _auto_topk: bool = PrivateAttr(False)  # ... and it picked tree_topk (to_dict leaves it out)
 
     @model_validator(mode="after")
     def _check_combination(self) -> SpeculativeConfig:
@@ -112,8 +114,9 @@ class SpeculativeConfig(ConfigModel):
             from ssd_eagle.ssd.branch_trees import AUTO_TREE
 
             self.tree_budget = AUTO_TREE.budget if self.method != "ngram" else 0  # (n-gram proposals are chains)
+            self._auto_tree = True
             if self.tree_budget and "tree_topk" not in self.model_fields_set:  # an explicit tree_topk stays
-                self.tree_topk = AUTO_TREE.topk
+                self.tree_topk, self._auto_topk = AUTO_TREE.topk, True
         if self.tree_budget and self.method == "ngram":
             raise ValueError("speculative_config.tree_budget needs a neural draft (draft_model or eagle3)")
         if self.fanout_power == "auto" and self.fanout_strategy != "geometric" and not self.tree_budget:
@@ -191,9 +194,11 @@ class SpeculativeConfig(ConfigModel):
         return cls.from_dict(data)
 
     def to_dict(self) -> dict:
-        """The keys given or resolved (``auto``), not the defaults: re-read, the config is the same, and a key left
-        to its default stays one (``tree_budget: "auto"`` laid over it still picks its own ``tree_topk``)."""
-        return self.model_dump(exclude_unset=True)
+        """The keys given, not the defaults, ``tree_budget: "auto"`` as given (without the ``tree_topk`` it picked):
+        re-read, the config is the same, and a key left to its default stays one (``tree_budget: "auto"`` laid over
+        it still picks its own ``tree_topk``, another ``tree_budget`` gets the default one)."""
+        data = self.model_dump(exclude_unset=True, exclude={"tree_topk"} if self._auto_topk else None)
+        return {**data, "tree_budget": "auto"} if self._auto_tree else data
 
 
 def _expand(values: list[int], n: int) -> list[int]:

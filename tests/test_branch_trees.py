@@ -201,3 +201,21 @@ def test_tree_budget_auto_flag_keeps_an_explicit_tree_topk():
 
     assert (spec().tree_budget, spec().tree_topk) == (6, 2)
     assert (spec("--tree-topk", "3").tree_budget, spec("--tree-topk", "3").tree_topk) == (6, 3)
+
+
+def test_a_tree_budget_laid_over_a_dumped_auto_tree_keeps_the_default_tree_topk():
+    """A config whose ``tree_budget: "auto"`` picked AUTO_TREE's top-2 dumps (``to_dict``) ``auto`` again, not the
+    top-2 as if it were given: re-read it is the same config, and a ``--tree-budget 16`` laid over it (how
+    ``engine_config_from_args`` overrides a YAML or the default drafter) gets the default ``tree_topk`` (4), as it
+    does over a config that never said auto. An explicit ``tree_topk`` stays explicit."""
+    auto = SpeculativeConfig.from_dict({"method": "eagle3", "model": "d", "tree_budget": "auto"})
+    again = SpeculativeConfig.from_dict(auto.to_dict())
+    assert (again.tree_budget, again.tree_topk) == (auto.tree_budget, auto.tree_topk) == (6, 2)
+    assert again.to_dict() == auto.to_dict()
+    plain = SpeculativeConfig.from_dict({"method": "eagle3", "model": "d", "tree_budget": 16})
+    over = SpeculativeConfig.from_dict({**auto.to_dict(), "tree_budget": 16})
+    assert (over.tree_budget, over.tree_topk) == (plain.tree_budget, plain.tree_topk) == (16, 4)
+    topk3 = SpeculativeConfig.from_dict({"method": "eagle3", "model": "d", "tree_budget": "auto", "tree_topk": 3})
+    assert SpeculativeConfig.from_dict({**topk3.to_dict(), "tree_budget": 16}).tree_topk == 3
+    ngram = SpeculativeConfig.from_dict({"tree_budget": "auto"})
+    assert SpeculativeConfig.from_dict(ngram.to_dict()).tree_budget == ngram.tree_budget == 0

@@ -12,7 +12,7 @@ REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "scripts" / "train_default_drafts.sh"
 
 
-def _run(tmp_path: Path, **env: str) -> tuple[subprocess.CompletedProcess, list[list[str]]]:
+def _run(tmp_path: Path, cwd: Path | None = None, **env: str) -> tuple[subprocess.CompletedProcess, list[list[str]]]:
     bin_dir, log = tmp_path / "bin", tmp_path / "calls.log"
     bin_dir.mkdir(exist_ok=True)
     log.write_text("")
@@ -20,7 +20,7 @@ def _run(tmp_path: Path, **env: str) -> tuple[subprocess.CompletedProcess, list[
         stub = bin_dir / tool
         stub.write_text(f'#!/usr/bin/env bash\necho "{tool} $*" >> "{log}"\n')
         stub.chmod(0o755)
-    proc = subprocess.run(["bash", str(SCRIPT), "--max_steps", "2"], capture_output=True, text=True, timeout=60,
+    proc = subprocess.run(["bash", str(SCRIPT), "--max_steps", "2"], capture_output=True, text=True, timeout=60, cwd=cwd,
                           env={**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", **env})
     return proc, [line.split() for line in log.read_text().splitlines()]
 
@@ -49,3 +49,17 @@ def test_the_default_out_dir_is_under_runs_and_drafts_is_refused(tmp_path):
     for inside in ("drafts", "drafts/new", str(REPO / "drafts")):
         proc, calls = _run(tmp_path, OUT_DIR=inside)
         assert proc.returncode == 1 and "inside drafts/" in proc.stderr and calls == []
+
+
+def test_a_relative_out_dir_is_the_callers_not_the_repositorys(tmp_path):
+    """The script works from the repository root, but a relative OUT_DIR names a folder of the caller's directory
+    (as every path argument of a command does); a relative path to drafts/ from there is refused too."""
+    caller = tmp_path / "elsewhere"
+    caller.mkdir()
+    proc, calls = _run(tmp_path, cwd=caller, OUT_DIR="mine")
+    assert proc.returncode == 0, proc.stderr
+    assert [c[4] for c in calls if c[:3] == ["python", "-m", "train.export"]] == [
+        str(caller / "mine" / n) for n in ("smollm2-135m-eagle3", "smollm2-135m-draftlm", "smollm2-135m-eagle3-saguaro")]
+    assert not (REPO / "mine").exists()
+    proc, calls = _run(tmp_path, cwd=caller, OUT_DIR=os.path.relpath(REPO / "drafts" / "new", caller))
+    assert proc.returncode == 1 and "inside drafts/" in proc.stderr and calls == []

@@ -8,6 +8,7 @@ import json
 import os
 import random
 import shutil
+import signal
 import subprocess
 from pathlib import Path
 
@@ -452,6 +453,17 @@ def test_transformers_loading_bar_follows_the_trainer_progress(tiny_setup, tmp_p
 # ----------------------------------------------------------------------------------------------------------------
 # the deepspeed launches
 
+def _world_script(tmp_path):
+    """A script printing ``world RANK WORLD_SIZE MASTER_PORT`` after init_distributed, and a launcher's clean env."""
+    script = tmp_path / "world.py"
+    script.write_text("import os\nfrom train.distributed import init_distributed\n"
+                      "print('world', *init_distributed(), os.environ['MASTER_PORT'], flush=True)\n")
+    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
+    return script, env
+
+
 def test_deepspeed_launch_on_a_taken_port_moves_to_a_free_one(tmp_path):
     """``deepspeed --num_gpus 1`` sets ``MASTER_PORT`` to its ``--master_port`` (29500 unless given) even when
     another run holds that port: the one-process world moves to a free port instead of failing to bind."""
@@ -459,12 +471,7 @@ def test_deepspeed_launch_on_a_taken_port_moves_to_a_free_one(tmp_path):
 
     if shutil.which("deepspeed") is None:
         pytest.fail("the deepspeed launcher is not installed (pip install deepspeed)")
-    script = tmp_path / "world.py"
-    script.write_text("import os\nfrom train.distributed import init_distributed\n"
-                      "print('world', *init_distributed(), os.environ['MASTER_PORT'], flush=True)\n")
-    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
-    for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(key, None)
+    script, env = _world_script(tmp_path)
     with socket.socket() as other_run:  # a listening socket, like another run's rendezvous store
         other_run.bind(("", 0))
         other_run.listen()
@@ -475,6 +482,32 @@ def test_deepspeed_launch_on_a_taken_port_moves_to_a_free_one(tmp_path):
     world = next(line.split() for line in proc.stdout.splitlines() if line.startswith("world "))
     assert world[1:3] == ["0", "1"] and world[3].isdigit() and int(world[3]) != port, world
     assert f"MASTER_PORT {port} is taken" in proc.stdout + proc.stderr
+
+
+def test_torchrun_one_process_world_keeps_the_agents_port(tmp_path):
+    """``torchrun --nproc_per_node 1``: the elastic agent itself listens on ``MASTER_PORT`` (its store, which the
+    worker joins: ``TORCHELASTIC_USE_AGENT_STORE``), so that port is taken by design and the one-process world must
+    stay on it (moved to a free port, the worker waited for a store nobody serves)."""
+    import socket
+
+    if shutil.which("torchrun") is None:
+        pytest.fail("torchrun is not installed (it comes with torch)")
+    script, env = _world_script(tmp_path)
+    with socket.socket() as probe:
+        probe.bind(("", 0))
+        port = probe.getsockname()[1]
+    proc = subprocess.Popen(["torchrun", "--nproc_per_node", "1", "--master_port", str(port), str(script)],
+                            cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)  # (its own group: a hung worker is ended with the agent)
+    try:
+        out, err = proc.communicate(timeout=90)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        pytest.fail(f"the torchrun world did not start in 90 s (it left the agent's port): {err[-3000:]}")
+    assert proc.returncode == 0, out[-3000:] + err[-3000:]
+    world = next(line.split() for line in out.splitlines() if line.startswith("world "))
+    assert world[1:] == ["0", "1", str(port)], world
 
 
 def test_deepspeed_launch_trains_resumes_and_exports(tiny_setup, tmp_path, capsys):

@@ -2,7 +2,8 @@
 
 Runs unchanged on CPUs (gloo) and GPUs (nccl); a plain ``python`` launch (no ``RANK`` in the environment) becomes a
 one-process world on a free local port. The ``deepspeed`` launcher always sets ``MASTER_PORT`` (its ``--master_port``,
-default 29500): a one-process world whose port is already taken (another training, a test) moves to a free one;
+default 29500): a one-process world whose port is already taken (another training, a test) moves to a free one
+(not under ``torchrun``, whose agent holds that port for the store the worker joins);
 ranks of a larger world cannot agree on a new port by themselves, so concurrent multi-rank runs need their own
 ``--master_port``.
 """
@@ -37,7 +38,8 @@ def _port_taken(port: int) -> bool:
 
 def init_distributed() -> tuple[int, int]:
     """Initialise torch.distributed through DeepSpeed (gloo without GPUs, nccl with). A plain ``python`` launch
-    becomes a one-process world; a one-process world on a taken ``MASTER_PORT`` moves to a free port (logged).
+    becomes a one-process world; a one-process world on a taken ``MASTER_PORT`` moves to a free port (logged),
+    unless torchrun's agent is the one holding it (``TORCHELASTIC_USE_AGENT_STORE``).
     Returns ``(rank, world_size)``."""
     import deepspeed
 
@@ -45,8 +47,9 @@ def init_distributed() -> tuple[int, int]:
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
                           MASTER_PORT=os.environ.get("MASTER_PORT", str(_free_port())))
     port = os.environ.get("MASTER_PORT", "")
-    if not dist.is_initialized() and os.environ.get("WORLD_SIZE") == "1" and port.isdigit() and \
-            _port_taken(int(port)):
+    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"  # torchrun's agent serves that port
+    if not dist.is_initialized() and os.environ.get("WORLD_SIZE") == "1" and not agent_store and port.isdigit() \
+            and _port_taken(int(port)):
         os.environ["MASTER_PORT"] = str(_free_port())
         logger.warning("MASTER_PORT %s is taken (another run?): this one-process world uses port %s instead",
                        port, os.environ["MASTER_PORT"])
