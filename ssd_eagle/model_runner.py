@@ -33,6 +33,7 @@ from ssd_eagle.kv_cache import ForwardBatch, KVCache
 
 RAGGED_ATTENTION = "ssd_eagle_ragged_sdpa"
 RAGGED_MIN_PADDING = 0.2  # share of a padded batch's attention that is padding before rows attend one by one
+RAGGED_MIN_KV_LEN = 256  # (below, the padding costs less than a call per row)
 
 
 def ragged_decode_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -64,10 +65,11 @@ def ragged_decode_attention(module: nn.Module, query: torch.Tensor, key: torch.T
 
 
 def _prefix_lengths(mask: torch.Tensor | None, query: torch.Tensor, dropout: float) -> list[int] | None:
-    """Each row's visible prefix length when every row is one token seeing a prefix of the keys and padding is at
-    least ``RAGGED_MIN_PADDING`` of the batch's attention; else None."""
+    """Each row's visible prefix length when every row is one token seeing a prefix of the keys, the batch attends
+    over at least ``RAGGED_MIN_KV_LEN`` keys and padding is at least ``RAGGED_MIN_PADDING`` of its attention; else
+    None."""
     if mask is None or dropout or query.shape[2] != 1 or query.shape[0] == 1 or mask.shape[1] != 1 \
-            or torch.jit.is_tracing() or torch.compiler.is_compiling():
+            or mask.shape[-1] < RAGGED_MIN_KV_LEN or torch.jit.is_tracing() or torch.compiler.is_compiling():
         return None
     visible = mask[:, 0, 0] if mask.dtype == torch.bool else mask[:, 0, 0] == 0
     lengths = visible.sum(-1)
@@ -125,11 +127,13 @@ class ModelRunner:
         compile: run the decoder body through ``torch.compile`` (inductor, dynamic shapes). On one CPU core it
             cuts a SmolLM2 decode step from ~70 to ~50 ms, at the price of about a minute of compilation per new
             input shape (cached on disk by inductor).
+        ragged_attention: on CPU (not compiled), attend through :func:`ragged_decode_attention` (the engine's
+            target, whose decode rounds batch many contexts).
     """
 
     def __init__(self, model: nn.Module, num_slots: int, max_len: int,
                  aux_layer_ids: tuple[int, ...] | None = None, initial_capacity: int = 256,
-                 compile: bool = False):
+                 compile: bool = False, ragged_attention: bool = False):
         self.model = model.eval()
         self.config = model.config
         self.body = model.get_decoder()
@@ -151,8 +155,8 @@ class ModelRunner:
         self._captured: dict[int, torch.Tensor] | None = None
         if self.aux_layer_ids is not None:
             self._install_aux_hooks(self.aux_layer_ids)
-        if self.device.type == "cpu" and not compile and self.config._attn_implementation == "sdpa" \
-                and not hasattr(k_weight, "to_local"):  # (CUDA graphs and compiled graphs keep plain SDPA)
+        if ragged_attention and self.device.type == "cpu" and not compile \
+                and self.config._attn_implementation == "sdpa" and not hasattr(k_weight, "to_local"):  # (CUDA graphs and compiled graphs keep plain SDPA)
             self.model.set_attn_implementation(RAGGED_ATTENTION)
         if compile:
             import torch._dynamo

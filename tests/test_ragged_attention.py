@@ -13,7 +13,7 @@ from ssd_eagle.engine.llm_engine import LLMEngine
 from ssd_eagle.sampling_params import SamplingParams
 
 
-def _padded_batch(lengths, heads=6, kv_heads=2, dim=8, capacity=64):
+def _padded_batch(lengths, heads=6, kv_heads=2, dim=8, capacity=512):
     g = torch.Generator().manual_seed(0)
     B = len(lengths)
     query = torch.randn(B, heads, 1, dim, generator=g, dtype=torch.float64)
@@ -28,8 +28,8 @@ def _padded_batch(lengths, heads=6, kv_heads=2, dim=8, capacity=64):
 
 
 def test_rows_attend_over_their_own_prefix_as_the_padded_mask_does():
-    module, query, key, value, mask = _padded_batch([3, 40, 17, 1])
-    assert model_runner._prefix_lengths(mask, query, 0.0) == [3, 40, 17, 1]
+    module, query, key, value, mask = _padded_batch([3, 400, 170, 1])
+    assert model_runner._prefix_lengths(mask, query, 0.0) == [3, 400, 170, 1]
     ragged, _ = model_runner.ragged_decode_attention(module, query, key, value, mask, scaling=0.3)
     padded, _ = model_runner.sdpa_attention_forward(module, query, key, value, mask, scaling=0.3)
     assert ragged.shape == padded.shape == (4, 1, 6, 8)
@@ -37,16 +37,18 @@ def test_rows_attend_over_their_own_prefix_as_the_padded_mask_does():
 
 
 def test_batches_it_cannot_help_take_plain_sdpa():
-    module, query, key, value, mask = _padded_batch([38, 40, 39, 40])
+    module, query, key, value, mask = _padded_batch([380, 400, 390, 400])
     assert model_runner._prefix_lengths(mask, query, 0.0) is None  # under a fifth of padding
     _, query, _, _, mask = _padded_batch([3, 40])
+    assert model_runner._prefix_lengths(mask, query, 0.0) is None  # short contexts: padding is cheap
+    _, query, _, _, mask = _padded_batch([3, 400])
     assert model_runner._prefix_lengths(None, query, 0.0) is None
     assert model_runner._prefix_lengths(mask, query, 0.1) is None  # dropout
     hole = mask.clone()
     hole[1, ..., 5] = torch.finfo(torch.float64).min  # not a prefix (a tree's sibling)
     assert model_runner._prefix_lengths(hole, query, 0.0) is None
     two = torch.cat([query, query], dim=2)
-    assert model_runner._prefix_lengths(mask.expand(2, 1, 2, 40), two, 0.0) is None  # two tokens a row
+    assert model_runner._prefix_lengths(mask.expand(2, 1, 2, 400), two, 0.0) is None  # two tokens a row
 
 
 def test_a_batch_of_mixed_contexts_decodes_each_row_as_greedy(monkeypatch):

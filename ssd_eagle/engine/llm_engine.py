@@ -95,7 +95,7 @@ class LLMEngine:
         # one slot more than sequences: the scratch row of fixed-shape (CUDA-graph) batches; one round (the last
         # token and every draft node) past the text
         self.target = ModelRunner(model, max_num_seqs + 1, self.max_model_len + self.max_draft_tokens + 1, aux_ids,
-                                  compile=compile)
+                                  compile=compile, ragged_attention=True)
         self.needs_aux = aux_ids is not None
         self.static = None
         if cuda_graphs and self.target.device.type == "cuda":
