@@ -113,17 +113,30 @@ class KVCache:
         past_limit = min(-(-needed // 256) * 256, self.max_len)  # (whole growth steps: no realloc per round)
         self.resize(self.num_rows, max(past_limit, min(grown, self.limit)))
 
-    def fit(self, num_rows: int, capacity: int, limit: int | None = None) -> None:
+    def fit(self, num_rows: int, capacity: int, limit: int | None = None, shrink_below: float = 1.0) -> None:
         """Follow the live sequences: keep the rows ``0 .. num_rows-1`` (their highest slot + 1), shrink to at most
         ``capacity`` positions (never grows them here: :meth:`reserve` does on demand) and grow no further than
         ``limit`` (default ``capacity``; clamped to ``[capacity, max_len]``) unless a forward needs it.
 
+        With ``shrink_below`` < 1 the store keeps its rows and positions where they already cover the live
+        sequences, unless the fitted store would hold at most that share of its bytes: a full batch then does not
+        copy its whole store each time its highest slot or longest request ends and the next one is admitted, at
+        the price of memory up to ``1 / shrink_below`` times the live sequences' need.
+
         Raises:
-            ValueError: ``num_rows`` not in ``[1, num_slots]`` or ``capacity`` < 1.
+            ValueError: ``num_rows`` not in ``[1, num_slots]``, ``capacity`` < 1, or ``shrink_below`` not in
+                ``(0, 1]``.
         """
+        if not 0.0 < shrink_below <= 1.0:
+            raise ValueError(f"shrink_below must be in (0, 1], got {shrink_below}")
         capacity = min(capacity, self.max_len)
         self.limit = min(max(limit or capacity, capacity), self.max_len)
-        self.resize(num_rows, min(self.capacity, capacity))
+        rows, capacity = num_rows, min(self.capacity, capacity)
+        if rows <= self.num_rows and rows * capacity > shrink_below * self.num_rows * self.capacity:
+            rows, capacity = self.num_rows, self.capacity  # (covers the live sequences already)
+        elif capacity > shrink_below * self.capacity:  # growing by rows: the positions too would shrink only a little
+            capacity = self.capacity
+        self.resize(rows, capacity)
 
     def resize(self, num_rows: int, capacity: int) -> None:
         """Reallocate every layer to ``[num_rows, kv_heads, capacity, head_dim]``, keeping what fits (slots past
@@ -143,8 +156,10 @@ class KVCache:
             for layer in range(self.num_layers):  # which compact() / copy_slot() could not update outside one
                 for store in (self.keys, self.values):
                     old = store[layer]
-                    new = old.new_zeros(num_rows, old.shape[1], capacity, old.shape[3])
+                    new = old.new_empty(num_rows, old.shape[1], capacity, old.shape[3])
                     new[:rows, :, :cap] = old[:rows, :, :cap]
+                    new[:rows, :, cap:].zero_()  # (each byte written once; dead positions stay finite: a masked
+                    new[rows:].zero_()  # score of a NaN key would still poison the softmax)
                     store[layer] = new
         self.num_rows, self.capacity = num_rows, capacity
         if self.keys[0].device.type == "cpu" and before - self.nbytes >= TRIM_BYTES:

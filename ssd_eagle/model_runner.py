@@ -10,6 +10,12 @@ pre-hooks on the decoder layers, in the layer-id convention of ``docs/design.md`
     model the final-normed output). The default ids for an L-layer target are ``(2, L // 2, L - 3)``.
 
 This is also vLLM's convention for ``eagle_aux_hidden_state_layer_ids``.
+
+A batch of single-token rows (a decode round) attends over the longest row's cache length, padded by the mask.
+On CPU the target attends through :func:`ragged_decode_attention` instead, registered with transformers'
+``AttentionInterface``: each row attends over its own cached prefix, so a batch mixing short and long contexts does
+not pay for the padding (attention over the padded length was most of a regeneration step: 96 rows, contexts of
+50 to 2000 tokens).
 """
 
 from __future__ import annotations
@@ -19,8 +25,63 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from transformers import AttentionInterface, AttentionMaskInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import sdpa_mask
 
 from ssd_eagle.kv_cache import ForwardBatch, KVCache
+
+RAGGED_ATTENTION = "ssd_eagle_ragged_sdpa"
+RAGGED_MIN_PADDING = 0.2  # share of a padded batch's attention that is padding before rows attend one by one
+RAGGED_MIN_KV_LEN = 256  # (below, the padding costs less than a call per row)
+
+
+def ragged_decode_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                            attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+                            **kwargs) -> tuple[torch.Tensor, None]:
+    """transformers' SDPA attention (``sdpa_attention_forward``), except for single-token rows whose additive mask
+    shows each a prefix of the keys: each row then attends over its own prefix only, with grouped key/value heads
+    packed as transformers packs them (no copy of the cache).
+
+    Args:
+        query: [B, heads, q_len, head_dim]; key, value: [B, kv_heads, kv_len, head_dim] (views of the cache).
+        attention_mask: [B, 1, q_len, kv_len] additive (0 visible) or boolean, or None.
+
+    Returns:
+        ([B, q_len, heads, head_dim], None), as ``sdpa_attention_forward``.
+    """
+    lengths = _prefix_lengths(attention_mask, query, dropout)
+    if lengths is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      **kwargs)
+    B, heads, _, dim = query.shape
+    kv_heads = key.shape[1]
+    out = query.new_empty(B, kv_heads, heads // kv_heads, dim)
+    grouped = query.reshape(B, kv_heads, heads // kv_heads, dim)  # (transformers' pack_gqa for one query token)
+    for row, n in enumerate(lengths):
+        out[row] = torch.nn.functional.scaled_dot_product_attention(
+            grouped[row: row + 1], key[row: row + 1, :, :n], value[row: row + 1, :, :n], scale=scaling)[0]
+    return out.reshape(B, 1, heads, dim), None
+
+
+def _prefix_lengths(mask: torch.Tensor | None, query: torch.Tensor, dropout: float) -> list[int] | None:
+    """Each row's visible prefix length when every row is one token seeing a prefix of the keys, the batch attends
+    over at least ``RAGGED_MIN_KV_LEN`` keys and padding is at least ``RAGGED_MIN_PADDING`` of its attention; else
+    None."""
+    if mask is None or dropout or query.shape[2] != 1 or query.shape[0] == 1 or mask.shape[1] != 1 \
+            or mask.shape[-1] < RAGGED_MIN_KV_LEN or torch.jit.is_tracing() or torch.compiler.is_compiling():
+        return None
+    visible = mask[:, 0, 0] if mask.dtype == torch.bool else mask[:, 0, 0] == 0
+    lengths = visible.sum(-1)
+    kv_len = visible.shape[-1]
+    if int(lengths.sum()) > (1 - RAGGED_MIN_PADDING) * kv_len * len(lengths) or int(lengths.min()) < 1 \
+            or not torch.equal(visible, torch.arange(kv_len, device=mask.device) < lengths[:, None]):
+        return None
+    return lengths.tolist()
+
+
+AttentionInterface.register(RAGGED_ATTENTION, ragged_decode_attention)
+AttentionMaskInterface.register(RAGGED_ATTENTION, sdpa_mask)  # (masks built by transformers: as SDPA's)
 
 
 def default_aux_layer_ids(num_layers: int) -> tuple[int, int, int]:
@@ -66,11 +127,13 @@ class ModelRunner:
         compile: run the decoder body through ``torch.compile`` (inductor, dynamic shapes). On one CPU core it
             cuts a SmolLM2 decode step from ~70 to ~50 ms, at the price of about a minute of compilation per new
             input shape (cached on disk by inductor).
+        ragged_attention: on CPU (not compiled), attend through :func:`ragged_decode_attention` (the engine's
+            target, whose decode rounds batch many contexts).
     """
 
     def __init__(self, model: nn.Module, num_slots: int, max_len: int,
                  aux_layer_ids: tuple[int, ...] | None = None, initial_capacity: int = 256,
-                 compile: bool = False):
+                 compile: bool = False, ragged_attention: bool = False):
         self.model = model.eval()
         self.config = model.config
         self.body = model.get_decoder()
@@ -92,6 +155,9 @@ class ModelRunner:
         self._captured: dict[int, torch.Tensor] | None = None
         if self.aux_layer_ids is not None:
             self._install_aux_hooks(self.aux_layer_ids)
+        if ragged_attention and self.device.type == "cpu" and not compile \
+                and self.config._attn_implementation == "sdpa" and not hasattr(k_weight, "to_local"):  # (CUDA graphs and compiled graphs keep plain SDPA)
+            self.model.set_attn_implementation(RAGGED_ATTENTION)
         if compile:
             import torch._dynamo
 

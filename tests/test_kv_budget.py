@@ -10,6 +10,7 @@ import pytest
 from helpers import make_tiny_llama, reference_greedy
 from serving_helpers import build_engine, long_prompts
 from ssd_eagle.prefix_cache import PrefixCache
+from ssd_eagle.engine import scheduler
 from ssd_eagle.engine.scheduler import GIB
 from ssd_eagle.kv_cache import KVCache
 from ssd_eagle.sampling_params import SamplingParams
@@ -224,3 +225,62 @@ def test_a_request_whose_draft_kv_can_never_fit_gets_a_400_naming_the_field(byte
     assert (error["param"], error["code"]) == ("max_tokens", "kv_cache_exceeded") and "drafts" in error["message"]
     assert ok.status_code == 200, ok.text
     assert "ssd_eagle_kv_cache_usage_bytes" in metrics
+
+
+def test_a_full_batch_does_not_copy_its_store_at_every_request_that_ends():
+    import torch
+
+    kv = KVCache(2, 8, 2, 4, 2048, torch.float64, "cpu")
+    kv.reserve(1024)
+    for store in (*kv.keys, *kv.values):
+        store.copy_(torch.randn(store.shape, dtype=store.dtype))
+    assert (kv.num_rows, kv.capacity) == (8, 1024)
+    kv.fit(7, 1024, shrink_below=0.75)  # the highest slot ended: 7 of 8 rows is more than 3/4 of the store
+    kv.fit(8, 1024, shrink_below=0.75)  # the next request is admitted in it
+    kv.fit(8, 900, shrink_below=0.75)  # the longest request ended
+    assert (kv.num_rows, kv.capacity) == (8, 1024)
+    kv.fit(4, 1024, shrink_below=0.75)  # half the rows: a quarter or more is freed
+    assert (kv.num_rows, kv.capacity) == (4, 1024)
+    kv.fit(5, 900, shrink_below=0.75)  # growing by rows keeps the positions, which would shrink by under a quarter
+    assert (kv.num_rows, kv.capacity) == (5, 1024)
+    torch.testing.assert_close(kv.read(4, 0, 1024), torch.zeros(2, 2, 2, 1024, 4, dtype=torch.float64),
+                               rtol=0, atol=0)  # a new row holds zeros
+    kv.fit(5, 768)  # the default follows the live requests exactly
+    assert (kv.num_rows, kv.capacity) == (5, 768)
+    with pytest.raises(ValueError, match="shrink_below"):
+        kv.fit(5, 768, shrink_below=0.0)
+
+
+def _resizes_of_a_full_batch(byte_tokenizer) -> list[tuple[int, int]]:
+    """The store shapes a batch of 8 goes through while 16 requests end and refill its slots in every order."""
+    target = make_tiny_llama(seed=4)
+    engine = build_engine("ar", target, byte_tokenizer, max_num_seqs=8, enable_prefix_caching=False)
+    kv, resizes = engine.target.kv, []
+    resize = kv.resize
+
+    def recording(num_rows, capacity):
+        if (num_rows, capacity) != (kv.num_rows, kv.capacity):
+            resizes.append((num_rows, capacity))
+        return resize(num_rows, capacity)
+
+    kv.resize = recording
+    prompts = long_prompts(seed=5, lengths=[40 + 7 * i for i in range(16)])
+    lengths = [(13 * i) % 29 + 2 for i in range(16)]
+    for i, (prompt, n) in enumerate(zip(prompts, lengths)):
+        engine.add_request(str(i), prompt, SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))
+    outputs = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                outputs[out.request_id] = out.token_ids
+    for i, (prompt, n) in enumerate(zip(prompts, lengths)):
+        assert outputs[str(i)] == reference_greedy(target, prompt, n, eos=set())
+    assert kv.nbytes == 256 * POSITION  # back to one row of one growth step
+    return resizes
+
+
+def test_the_store_without_a_budget_is_not_copied_at_every_request_that_ends(byte_tokenizer, monkeypatch):
+    kept = _resizes_of_a_full_batch(byte_tokenizer)
+    monkeypatch.setattr(scheduler, "SHRINK_BELOW", 1.0)  # following the live requests exactly
+    exact = _resizes_of_a_full_batch(byte_tokenizer)
+    assert len(kept) <= 3 < len(exact)

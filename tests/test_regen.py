@@ -280,3 +280,25 @@ def test_cli_flags_come_from_the_config(tmp_path):
     assert cfg.stop_file == tmp_path / "stop" and args.dtype == "bfloat16" and args.source == ["builtin", "grounded"]
     with pytest.raises(ValueError, match="magpie_share"):
         cli.regen_config(cli.parse_args(["--work-dir", str(tmp_path), "--magpie-share", "2"]), tmp_path)
+
+
+def test_a_looping_turn_is_aborted_at_a_check_not_generated_to_its_cap(tiny_engine_parts, tmp_path, monkeypatch):
+    from train.regen import scheduler
+
+    # every text of 40 characters or more counts as a loop: each turn is caught at its first check past that
+    monkeypatch.setattr(scheduler, "is_repetitive", lambda text: len(text) >= 40)
+    bias = tiny_engine_parts[0].lm_head.bias.data
+    saved = bias.clone()
+    bias[EOS_ID] = -30.0  # no turn ends on its own before its cap (the module's model is restored after)
+    try:
+        regen = _regen(tiny_engine_parts, WorkDir(tmp_path / "work"), max_new_tokens=400, num_magpie=0,
+                       multi_turn_fraction=0.0)
+        regen.add([single_turn(f"grounded/{i}", "grounded-explain", f"Explain item {i}.") for i in range(6)])
+        regen.run()
+    finally:
+        bias.copy_(saved)
+    assert regen.counts["aborted_repetitive"] == regen.counts["ended_repetitive"] == 6
+    assert regen.counts["dropped_no_turn"] == 6 and not regen.work.rows()
+    # caught at a multiple of REPETITION_CHECK_TOKENS, far below the cap of 400 tokens
+    assert regen.counts["tokens_generated"] <= 6 * 2 * scheduler.REPETITION_CHECK_TOKENS
+    assert not regen.engine.requests and not regen.engine.running  # aborted requests left the engine

@@ -95,7 +95,7 @@ class LLMEngine:
         # one slot more than sequences: the scratch row of fixed-shape (CUDA-graph) batches; one round (the last
         # token and every draft node) past the text
         self.target = ModelRunner(model, max_num_seqs + 1, self.max_model_len + self.max_draft_tokens + 1, aux_ids,
-                                  compile=compile)
+                                  compile=compile, ragged_attention=True)
         self.needs_aux = aux_ids is not None
         self.static = None
         if cuda_graphs and self.target.device.type == "cuda":
@@ -265,8 +265,9 @@ class LLMEngine:
         last_logits: dict[int, torch.Tensor] = {}
         max_len = self.target.kv.max_len
         while chunks:  # pad tokens of a short row write past its end: a row too close to max_len runs alone
-            width = max(n for _, n in chunks)
-            group = [c for c in chunks if c[0].num_cached + width <= max_len] or chunks[:1]
+            width = max(n for _, n in chunks)  # (rows are padded to the widest: a chunk under 3/4 of it waits for
+            group = [c for c in chunks if 4 * c[1] >= 3 * width and c[0].num_cached + width <= max_len] \
+                or chunks[:1]  # a forward of its own, padding costs as much as tokens)
             chunks = [c for c in chunks if all(c[0] is not seq for seq, _ in group)]
             seqs = [seq for seq, _ in group]
             tokens = [seq.token_ids[seq.num_cached: seq.num_cached + n] for seq, n in group]

@@ -32,6 +32,7 @@ from ssd_eagle.prefix_cache import PrefixCache
 
 GIB = 2**30
 POSITION_GRANULARITY = 256  # the store's capacity grows in multiples of this many positions (see KVCache.reserve)
+SHRINK_BELOW = 0.75  # without a KV budget, the target's store shrinks when the live requests need at most this share
 
 
 class Scheduler:
@@ -104,11 +105,12 @@ class Scheduler:
         """Resize the target's store ``kv`` to the running requests (unless ``resize`` is False: CUDA graphs pin
         its addresses; :meth:`KVCache.fit`), growing it at once to the :meth:`prefill_positions` (a long prompt's
         chunks would each regrow, so copy, the whole store), and trim ``prefixes`` to what the KV budget leaves.
-        Returns the
+        Without a KV budget the store shrinks only when that frees a quarter of it (``KVCache.fit``'s
+        ``shrink_below``), so a full batch does not copy its store at every request that ends. Returns the
         :meth:`store_shape` (the drafts' stores follow it too)."""
         rows, capacity = self.store_shape()
         if resize:  # a prompt being prefilled fills its length: the store grows to it once, not a chunk at a time
-            kv.fit(rows, capacity)
+            kv.fit(rows, capacity, shrink_below=SHRINK_BELOW if self.budget is None else 1.0)
             kv.reserve(min(self.prefill_positions(), capacity))
         if prefixes is not None and self.budget is not None:
             prefixes.make_room(self.budget - sum(self.reserved_bytes()))

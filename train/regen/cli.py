@@ -44,6 +44,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batch-size", type=int, default=32, help="requests decoded together (engine max_num_seqs)")
     p.add_argument("--num-threads", type=int, default=1, help="torch threads")
     p.add_argument("--max-model-len", type=int, default=2048, help="longest prompt + turn (trainer max length)")
+    p.add_argument("--prefix-cache-memory", type=float, default=0.5,
+                   help="GiB of cached prompt prefixes: a follow-up and the turn after it reuse the history's keys "
+                        "and values instead of prefilling it again")
     p.add_argument("--no-progress", action="store_true")
     for name, f in RegenConfig.model_fields.items():  # the flags of the config's fields (validated by it)
         if name == "stop_file":
@@ -68,6 +71,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def regen_config(args: argparse.Namespace, work_dir: Path) -> RegenConfig:
     values = {name: getattr(args, name) for name in RegenConfig.model_fields if name != "stop_file"}
     return RegenConfig(**values, stop_file=work_dir / "stop")
+
+
+def engine_config(args: argparse.Namespace, seed: int):
+    """The target's engine settings (AR) of a regeneration run."""
+    from ssd_eagle.config import EngineConfig
+
+    return EngineConfig(model=args.model, mode="ar", dtype=args.dtype, max_num_seqs=args.batch_size,
+                        num_threads=args.num_threads, max_model_len=args.max_model_len, seed=seed,
+                        prefix_cache_memory=args.prefix_cache_memory)
 
 
 def listed_conversations(args: argparse.Namespace, seed: int) -> list:
@@ -107,8 +119,7 @@ def regenerate(args: argparse.Namespace) -> int:
         from transformers.utils import logging as hf_logging
         hf_logging.disable_progress_bar()
     try:
-        llm = LLM(args.model, mode="ar", dtype=args.dtype, max_num_seqs=args.batch_size,
-                  num_threads=args.num_threads, max_model_len=args.max_model_len, seed=cfg.seed)
+        llm = LLM(config=engine_config(args, cfg.seed))
         regen = Regenerator(llm.engine, work, cfg, runlog, progress=not args.no_progress)
         regen.add(listed_conversations(args, cfg.seed))
         regen.run()

@@ -13,7 +13,10 @@ a Magpie candidate while fewer than ``magpie_share`` of the conversations starte
 next listed conversation. A turn is checked as it finishes: one that touches a held-out prompt
 (:func:`train.heldout.check_text`) or is stuck in a loop (:func:`~train.regen.filters.is_repetitive`) is dropped
 and ends its conversation; a turn that ends on ``length`` is kept and ends its conversation (nothing is asked after a
-cut answer). Every prompt, listed or written by the target, passes the held-out check before it is submitted.
+cut answer). The repetition check also runs on the text so far every ``REPETITION_CHECK_TOKENS`` tokens of a turn
+being generated, and a turn found looping there is aborted and dropped at once instead of looping on to
+``max_new_tokens`` (half of the dropped turns' tokens were spent so; of 1282 kept turns of the bf16 run, 8 (0.6%) had
+a looping prefix at such a check and would have been dropped too). Every prompt, listed or written by the target, passes the held-out check before it is submitted.
 
 Finished conversations are appended to the work folder at once (:class:`~train.regen.store.WorkDir`); a restart
 skips their ids and rebuilds the Magpie prompts from the candidate log.
@@ -38,6 +41,8 @@ from train.regen.filters import is_repetitive
 from train.regen.magpie import CandidateFilter, Steering, user_turn_prefix
 from train.regen.sources import Conversation, Plan, plan, single_turn
 from train.regen.store import RunLog, WorkDir
+
+REPETITION_CHECK_TOKENS = 32  # tokens of a turn between two repetition checks of its text so far
 
 
 class RegenConfig(BaseModel):
@@ -277,6 +282,11 @@ class Regenerator:
             return
         for out in self.engine.step():
             if not out.finished:
+                if self.in_flight[out.request_id][0] == "turn" and self._looping(out):
+                    self.engine.abort(out.request_id)
+                    self.counts["tokens_generated"] += len(out.outputs[0].token_ids)
+                    self.counts["aborted_repetitive"] += 1
+                    self._end(self.in_flight.pop(out.request_id)[1], "repetitive")
                 continue
             kind, payload = self.in_flight.pop(out.request_id)
             token_ids = list(out.outputs[0].token_ids)
@@ -297,6 +307,15 @@ class Regenerator:
                 break
         self.bar.close()
         self._log(force=True)
+
+    @staticmethod
+    def _looping(out) -> bool:
+        """Whether an unfinished turn's text so far is repetitive, checked when it passes a multiple of
+        ``REPETITION_CHECK_TOKENS`` tokens."""
+        n = len(out.outputs[0].token_ids)
+        if n // REPETITION_CHECK_TOKENS == (n - len(out.delta_token_ids)) // REPETITION_CHECK_TOKENS:
+            return False
+        return is_repetitive(out.outputs[0].text)
 
     # finished requests
     def _candidate_done(self, k: int, steer: Steering, token_ids: list[int]) -> None:
