@@ -254,6 +254,21 @@ def test_tiny_end_to_end_regeneration_resume_and_pack(tiny_engine_parts, tmp_pat
     assert (tmp_path / "out" / pack.GZ_NAME).read_bytes() == first_bytes  # deterministic
 
 
+def test_exclude_skips_an_earlier_packs_conversations_and_seeds_namespace_magpie_ids(tiny_engine_parts, tmp_path):
+    listed = [single_turn(f"grounded/{i}", "grounded-explain", f"Explain item number {i}, please.") for i in range(4)]
+    earlier = [{"id": "grounded/1", "source": "grounded-explain", "messages": [
+        {"role": "user", "content": listed[1].messages[0]["content"]}, {"role": "assistant", "content": "x"}]},
+        {"id": "magpie/writing/0", "source": "magpie-writing", "messages": [
+            {"role": "user", "content": "Write a poem about rain."}, {"role": "assistant", "content": "y"}]}]
+    regen = _regen(tiny_engine_parts, WorkDir(tmp_path / "work"), num_magpie=0, seed=3)
+    regen.exclude(earlier)
+    regen.add(listed)
+    assert [c.id for c in regen.listed] == ["grounded/0", "grounded/2", "grounded/3"]
+    assert prompt_key("Write a poem about rain.") in regen.filter.seen  # a Magpie candidate equal to it: duplicate
+    assert regen.magpie_id("writing", 0) == "magpie/writing/s3-0" != earlier[1]["id"]
+    assert _regen(tiny_engine_parts, WorkDir(tmp_path / "w0")).magpie_id("writing", 0) == "magpie/writing/0"
+
+
 def test_work_dir_cuts_a_torn_line_and_refuses_other_settings(tmp_path):
     work = WorkDir(tmp_path)
     work.append_row({"id": "x"})

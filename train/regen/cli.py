@@ -57,6 +57,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                        help=f"{f.description + '; ' if f.description else ''}default {f.default}")
     p.add_argument("--pack", default=None, metavar="OUT_DIR", help="pack the work folders into OUT_DIR and exit")
     p.add_argument("--merge", action="append", default=[], help="with --pack: rows of an earlier pack to include")
+    p.add_argument("--exclude", action="append", default=[], metavar="ROWS",
+                   help="rows of an earlier pack (.jsonl.gz or .jsonl) not to regenerate again: their ids and first "
+                        "user turns are skipped (a new work folder next to a committed pack; pair with another --seed)")
     args = p.parse_args(argv)
     args.source = args.source or ["builtin", "grounded"]
     if args.pack is None and len(args.work_dir) != 1:
@@ -103,6 +106,7 @@ def listed_conversations(args: argparse.Namespace, seed: int) -> list:
 
 def regenerate(args: argparse.Namespace) -> int:
     from ssd_eagle.engine.llm import LLM
+    from train.regen.pack import read_rows_file
     from train.regen.scheduler import Regenerator
     from train.regen.store import RunLog, WorkDir
 
@@ -121,6 +125,8 @@ def regenerate(args: argparse.Namespace) -> int:
     try:
         llm = LLM(config=engine_config(args, cfg.seed))
         regen = Regenerator(llm.engine, work, cfg, runlog, progress=not args.no_progress)
+        for path in args.exclude:
+            regen.exclude(read_rows_file(Path(path).expanduser()))
         regen.add(listed_conversations(args, cfg.seed))
         regen.run()
         status = "stopped (drained; rerun to continue)" if regen.draining else "complete"

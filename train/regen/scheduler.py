@@ -154,8 +154,22 @@ class Regenerator:
             self.filter.seen_add(conv.prompt_texts()[0])
             self.listed.append(conv)
 
+    def exclude(self, rows: Iterable[dict]) -> None:
+        """Skip the conversations of an earlier pack's ``rows`` (``{id, messages, ...}``): their ids count as
+        written and their first user turns as seen prompts, so a Magpie candidate equal to one is a duplicate."""
+        for row in rows:
+            self.done.add(row["id"])
+            first = next((m["content"] for m in row["messages"] if m["role"] == "user"), None)
+            if first is not None:
+                self.filter.seen_add(first)
+
+    def magpie_id(self, kind: str, k: int) -> str:
+        """Id of Magpie candidate ``k``: ``magpie/{kind}/{k}`` under seed 0 (the committed rows' ids; not
+        ``magpie/{k}``, format 1's), ``magpie/{kind}/s{seed}-{k}`` under another seed, so runs never collide."""
+        return f"magpie/{kind}/{k}" if self.cfg.seed == 0 else f"magpie/{kind}/s{self.cfg.seed}-{k}"
+
     def _list_magpie(self, k: int, kind: str, prompt: str, front: bool) -> None:
-        conv = single_turn(f"magpie/{kind}/{k}", f"magpie-{kind}", prompt)  # not "magpie/{k}": format 1's ids
+        conv = single_turn(self.magpie_id(kind, k), f"magpie-{kind}", prompt)
         if conv.id not in self.done:
             (self.listed.appendleft if front else self.listed.append)(conv)
 
