@@ -399,3 +399,20 @@ def test_per_layer_type_rope_uses_full_attention_entry():
 def test_unknown_attention_implementation_is_refused():
     with pytest.raises(ValueError, match="attn_implementation"):
         Eagle3DraftModel(Eagle3Config.from_target(target_config(), DRAFT_VOCAB), attn_implementation="flash")
+
+
+def test_output_side_initialised_from_the_target_gives_the_targets_logits_on_the_draft_vocabulary():
+    model, _ = make_head(target_hidden=H)
+    lm_head, norm_w = torch.randn(VOCAB, H, dtype=torch.float64), torch.rand(H, dtype=torch.float64) + 0.5
+    model.init_output_from_target(lm_head, norm_w)
+    x = torch.randn(2, 3, H, dtype=torch.float64)
+    normed = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + model.config.rms_norm_eps) * norm_w
+    target_logits = normed @ lm_head.T  # [2, 3, VOCAB]
+    full = model.to_target_logits(model.compute_logits(x))
+    ids = model.draft_target_ids
+    torch.testing.assert_close(full[..., ids], target_logits[..., ids], rtol=1e-5, atol=1e-5)  # RMSNorm: float32
+    assert torch.isinf(full).sum() == 2 * 3 * (VOCAB - DRAFT_VOCAB)
+    with pytest.raises(ValueError, match="expected"):
+        model.init_output_from_target(lm_head[:, :8], norm_w)
+    with pytest.raises(ValueError, match="another width"):
+        narrow_head().init_output_from_target(lm_head, norm_w)

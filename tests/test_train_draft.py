@@ -691,3 +691,13 @@ def test_teacher_forced_estimate_runs_in_the_requested_dtype(tiny_setup, tmp_pat
         assert r["dtype"] == dtype and r["kind"] == "eagle3" and r["samples"] == 3
         assert 1.0 <= r["tau"] <= 4.0 and 1.0 <= r["feature_fed_tau"] <= 4.0
     assert results["float64"]["rounds"] > 0
+
+
+def test_head_init_target_starts_the_output_side_at_the_targets(tiny_setup, tmp_path):
+    trainer, _ = run_trainer(**tiny_config(tiny_setup, tmp_path / "run", head_init="target", lr=1e-9, max_steps=1,
+                                           save_every=1, eval_every=0))
+    head = trainer.head
+    rows = trainer.lm_head_weight[head.draft_target_ids].to(head.lm_head.weight)
+    torch.testing.assert_close(head.lm_head.weight, rows, rtol=0, atol=1e-6)  # one step at lr 1e-9
+    norm = trainer.target.get_decoder().norm.weight.to(head.norm.weight)
+    torch.testing.assert_close(head.norm.weight, norm, rtol=0, atol=1e-6)

@@ -74,6 +74,9 @@ class TrainConfig(ConfigModel):
             (:func:`ssd_eagle.models.eagle3_config.scaled_geometry`) and gives the head its own frozen embedding
             table, the truncated-SVD projection of the target's (``Eagle3DraftModel.project_target_embeddings``).
         ttt_steps, ttt_decay: training-time-test unroll length and per-step loss weight ``decay**i``.
+        head_init: ``"random"`` (every weight ~ N(0, 0.02)) or ``"target"``: the EAGLE-3 head's ``lm_head`` starts
+            as the target's output embeddings of the draft vocabulary and its ``norm`` as the target's final norm
+            (:meth:`~ssd_eagle.models.eagle3.Eagle3DraftModel.init_output_from_target`; heads as wide as the target).
         saguaro_c: train a Saguaro-aware head for Saguaro sampling with this C in (0, 1] (None: plain head);
             saguaro_fanout: the F it is trained for (cached bonus candidates per position); saguaro_weight: weight
             of ``-log P_ns`` against the cross-entropy; saguaro_temperature: the serving temperature it targets
@@ -135,6 +138,7 @@ class TrainConfig(ConfigModel):
     draft_hidden_size: Positive | None = None
     ttt_steps: Positive = 7
     ttt_decay: float = Field(0.8, gt=0.0, le=1.0)
+    head_init: Literal["random", "target"] = "random"
     saguaro_c: float | None = Field(None, gt=0.0, le=1.0)
     saguaro_fanout: NonNegative = 3
     saguaro_weight: float = Field(1.0, ge=0.0)

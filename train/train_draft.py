@@ -229,6 +229,8 @@ class Trainer:
             head.set_embeddings(self.target_embed)  # a head of another width keeps its own table
             if config.owns_embeddings and not self.snapshot:  # resume: the table comes with the checkpoint
                 head.project_target_embeddings(self.target_embed.weight)
+            if cfg.head_init == "target" and not self.snapshot:
+                head.init_output_from_target(self.lm_head_weight, self.target.get_decoder().norm.weight)
             head.to(self.device)
             self.head = head
             return Eagle3Trainable(head, cfg.ttt_steps, cfg.ttt_decay, saguaro)

@@ -232,6 +232,28 @@ class Eagle3DraftModel(nn.Module):
         projected[:, :k] = e @ vectors[:, -k:].flip(-1)
         self.embed_tokens.weight.copy_(projected.to(self.embed_tokens.weight))
 
+    @torch.no_grad()
+    def init_output_from_target(self, lm_head_weight: torch.Tensor, norm_weight: torch.Tensor) -> None:
+        """Start the output side where the target's is: ``lm_head`` rows = the target's output embeddings of the
+        draft vocabulary (``lm_head_weight[draft_target_ids]``, [draft_vocab, H]) and ``norm`` = the target's final
+        RMSNorm weight [H]. The head then only has to map its hidden state into the target's final hidden space
+        instead of learning a random 8k-row table too; call after :meth:`set_vocab_mapping`.
+
+        Raises:
+            ValueError: a head of another width than its target, or tensors of the wrong shape.
+        """
+        cfg = self.config
+        if cfg.owns_embeddings:
+            raise ValueError("a head of another width than its target cannot take the target's lm_head rows")
+        if tuple(lm_head_weight.shape) != (cfg.vocab_size, cfg.hidden_size):
+            raise ValueError(f"target lm_head is {tuple(lm_head_weight.shape)}, expected "
+                             f"{(cfg.vocab_size, cfg.hidden_size)}")
+        if tuple(norm_weight.shape) != (cfg.hidden_size,):
+            raise ValueError(f"target norm weight is {tuple(norm_weight.shape)}, expected {(cfg.hidden_size,)}")
+        rows = lm_head_weight.detach().to(self.lm_head.weight.device)[self.draft_target_ids]
+        self.lm_head.weight.copy_(rows.to(self.lm_head.weight.dtype))
+        self.norm.weight.copy_(norm_weight.detach().to(self.norm.weight))
+
     def set_owned_embeddings(self, weight: torch.Tensor) -> None:
         """Own a frozen copy of an embedding table [vocab_size, hidden_size] (a checkpoint's ``embed_tokens``).
 
