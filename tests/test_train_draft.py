@@ -701,3 +701,19 @@ def test_head_init_target_starts_the_output_side_at_the_targets(tiny_setup, tmp_
     torch.testing.assert_close(head.lm_head.weight, rows, rtol=0, atol=1e-6)  # one step at lr 1e-9
     norm = trainer.target.get_decoder().norm.weight.to(head.norm.weight)
     torch.testing.assert_close(head.norm.weight, norm, rtol=0, atol=1e-6)
+
+
+def test_init_from_warm_starts_an_exported_head_and_refuses_another_geometry(tiny_setup, tmp_path):
+    from ssd_eagle.models.eagle3_formats import load_eagle3, save_eagle3
+
+    first, _ = run_trainer(**tiny_config(tiny_setup, tmp_path / "a", max_steps=2, save_every=2, eval_every=0))
+    save_eagle3(first.head, tmp_path / "export")
+    exported = load_eagle3(tmp_path / "export", dtype=torch.float32)
+    warm, _ = run_trainer(**tiny_config(tiny_setup, tmp_path / "b", init_from=str(tmp_path / "export"), lr=1e-9,
+                                        max_steps=1, save_every=1, eval_every=0))
+    assert torch.equal(warm.head.d2t, exported.d2t)
+    for name, value in exported.state_dict().items():  # one step at lr 1e-9 from the export's weights
+        torch.testing.assert_close(warm.head.state_dict()[name].float(), value.float(), rtol=0, atol=1e-6)
+    with pytest.raises(ValueError, match="draft_vocab_size"):
+        run_trainer(**tiny_config(tiny_setup, tmp_path / "c", init_from=str(tmp_path / "export"),
+                                  draft_vocab_size=16, max_steps=1))

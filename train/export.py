@@ -187,7 +187,9 @@ def model_card(kind: str, name: str, target: str, state: dict, train_cfg: dict, 
               f"- steps: {state.get('step')} optimizer steps ({_fmt(metrics.get('epoch'), 2)} epochs), "
               f"micro batch {train_cfg.get('micro_batch_size')} x accumulation {train_cfg.get('grad_accum')} x "
               f"{state.get('world_size')} rank(s), ZeRO stage {state.get('zero_stage')}, "
-              f"{_fmt(state.get('tokens'))} training tokens",
+              f"{_fmt(state.get('tokens'))} training tokens"
+              + (f", warm-started from `{train_cfg['init_from']}` (its own training not counted here)"
+                 if train_cfg.get("init_from") else ""),
               f"- AdamW betas ({train_cfg.get('adam_beta1')}, {train_cfg.get('adam_beta2')}), lr "
               f"{train_cfg.get('lr')} (warmup {train_cfg.get('warmup_steps')}, cosine to "
               f"{train_cfg.get('min_lr_ratio')}x), grad clip {train_cfg.get('grad_clip')}, {train_cfg.get('dtype')}",

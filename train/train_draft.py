@@ -204,6 +204,18 @@ class Trainer:
                                      f"{cfg.draft_hidden_size}")
                 tensors = ckpt.read_draft_tensors(self.resume_dir)
                 d2t, t2d = tensors["d2t"], tensors["t2d"]
+            elif cfg.init_from:  # warm start: the exported head's geometry, vocabulary and (below) weights
+                from ssd_eagle.models.eagle3_formats import load_eagle3
+
+                start = load_eagle3(cfg.init_from, target_config=self.target.config, dtype=torch.float32)
+                config = start.config
+                wanted = {"draft_vocab_size": cfg.draft_vocab_size, "aux_layer_ids": tuple(self.aux_layer_ids),
+                          "hidden_size": cfg.draft_hidden_size or config.target_hidden_size}
+                for name, value in wanted.items():
+                    got = getattr(config, name)
+                    if (tuple(got) if name == "aux_layer_ids" else got) != value:
+                        raise ValueError(f"init_from {cfg.init_from}: {name} {got} != the config's {value}")
+                d2t, t2d = start.d2t, start.t2d
             else:
                 vocab_size = self.target.config.get_text_config().vocab_size
                 counts = count_token_frequencies(self.data.token_rows(), vocab_size, progress=False)
@@ -229,7 +241,9 @@ class Trainer:
             head.set_embeddings(self.target_embed)  # a head of another width keeps its own table
             if config.owns_embeddings and not self.snapshot:  # resume: the table comes with the checkpoint
                 head.project_target_embeddings(self.target_embed.weight)
-            if cfg.head_init == "target" and not self.snapshot:
+            if cfg.init_from and not self.snapshot:  # a resume's weights come with its checkpoint
+                head.load_state_dict(start.state_dict())
+            elif cfg.head_init == "target" and not self.snapshot:
                 head.init_output_from_target(self.lm_head_weight, self.target.get_decoder().norm.weight)
             head.to(self.device)
             self.head = head
