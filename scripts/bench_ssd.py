@@ -22,7 +22,8 @@ served at the same (C, F) with a uniform fan-out (``ssd_eagle3_sag_plain`` / ``s
 
     python scripts/bench_ssd.py --prompts 4 --max-tokens 128 --out runs/bench_ssd
     python scripts/bench_ssd.py --configs ar,sd_ngram,sd_eagle3,ssd_eagle3,sd_lm --temperatures 0 --dtype float32
-    python scripts/bench_ssd.py --configs ar,sd_lm,ssd_lm_geo,ssd_lm_geo_fast --temperatures 0
+    python scripts/bench_ssd.py --configs ar,sd_lm,ssd_lm_geo,ssd_lm_geo_fast,ssd_lm_geo_auto --temperatures 0
+    python scripts/bench_ssd.py --configs ar,ssd_eagle3,ssd_eagle3_fast,ssd_eagle3_auto --temperatures 0 --prompts 1
     python scripts/bench_ssd.py --configs ssd_eagle3_sag_plain,ssd_eagle3_sag_aware --temperatures 0.5,1.0
     python scripts/bench_ssd.py --configs ar,sd_ngram_plan,sd_eagle3_plan,sd_lm_plan --prompts 1 --max-tokens 64 \
         --repeats 3
@@ -116,9 +117,10 @@ def configs(args) -> dict[str, Config]:
         Config("sd_lm", "sd", lm_spec),
         Config("sd_lm_2core", "sd", lm_spec, cores=2),
         Config("ssd_lm_uniform", "ssd", {**lm_spec, **uniform}),
-        Config("ssd_lm_geo", "ssd", {**lm_spec, **geometric}),
+        Config("ssd_lm_geo", "ssd", {**lm_spec, **geometric, "backup": "neural"}),
         Config("ssd_lm_geo_saguaro", "ssd", {**lm_spec, **geometric, "saguaro_c": args.saguaro_c or 0.7}),
         Config("ssd_lm_geo_fast", "ssd", {**lm_spec, **geometric, "backup": "fast"}),  # a miss waits for no draft
+        Config("ssd_lm_geo_auto", "ssd", {**lm_spec, **geometric, "backup": "auto"}),  # the measured choice per miss
         Config("sd_eagle3", "sd", e3),
         Config("sd_eagle3_tree", "sd", {**e3, **tree}),
         Config("ssd_eagle3", "ssd", {**e3, **geometric, "backup": "neural"}),

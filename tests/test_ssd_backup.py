@@ -19,7 +19,7 @@ from test_ssd import SlowTarget, ssd_engine
 
 def measured_choice(neural_s: float, neural_tokens: float, fast_s: float = 1e-3, fast_tokens: float = 1.3,
                     hit_tokens: float | None = None, **kwargs) -> BackupChoice:
-    choice = BackupChoice(alpha=1.0, **kwargs)
+    choice = BackupChoice(**kwargs)
     for backup, seconds, tokens in (("neural", neural_s, neural_tokens), ("fast", fast_s, fast_tokens)):
         choice.observe_backup(backup, 99.0)  # the first call is warm-up: not timed
         choice.observe_backup(backup, seconds)
@@ -57,9 +57,13 @@ def test_auto_measures_neural_then_fast_probes_the_loser_and_keeps_the_batch_rul
     for _ in range(2):
         choice.observe_backup("fast", 1e-3)
     choice.observe_tokens("fast", 1)
-    # neural 3 / 0.3 = 10 tok/s, fast 1 / 0.101 = 9.9: neural, and every 4th measured round tries fast
-    assert [choice.choose(0.1, 0, 1) for _ in range(8)] == ["neural"] * 3 + ["fast"] + ["neural"] * 3 + ["fast"]
-    assert choice.chosen == {"neural": 2 + 6, "fast": 2 + 2}
+    # neural 3 / 0.3 = 10 tok/s, fast 1 / 0.101 = 9.9: neural; fast probed after 4 measured rounds, then after 8
+    assert [choice.choose(0.1, 0, 1) for _ in range(13)] == ["neural"] * 3 + ["fast"] + ["neural"] * 7 + ["fast",
+                                                                                                         "neural"]
+    assert choice.chosen == {"neural": 2 + 11, "fast": 2 + 2}
+    for _ in range(3):  # fast's drafts turn longer: fast wins, and neural is probed 4 rounds after the change
+        choice.observe_tokens("fast", 3)
+    assert [choice.choose(0.1, 0, 1) for _ in range(5)] == ["fast"] * 3 + ["neural", "fast"]
 
 
 def test_finishing_a_build_weighs_tokens_and_reduces_to_the_time_rule():

@@ -10,11 +10,12 @@ measured when the row's next outcome arrives. With ``h`` rows answered from the 
 
 so a neural backup whose K-step draft is a large share of V (a draft LM's chain: ~95 ms against a ~100 ms
 verification) loses to the n-gram lookup (~1 ms) unless its drafts are accepted that much longer, and a cheap one
-(an EAGLE-3 head on a slow target) keeps drafting. The estimates are exponential moving averages (weight ``alpha``),
-so the choice follows the drafter, the text and the batch as they change; a backup's first call is not timed
-(one-off warm-up). Until both backups are measured auto runs neural first (as before), then fast; afterwards the
-backup not chosen answers every ``probe_every``-th miss round, so that its estimates stay current (a probe of a
-slow neural backup costs one of its drafts per ``probe_every`` misses). Without a measured V (an in-process
+(an EAGLE-3 head on a slow target) keeps drafting. The estimates are faded means (the last ``token_memory`` rounds,
+``time_memory`` calls), so the choice follows the drafter, the text and the batch as they change without flipping
+on one lucky round (a round's k + 1 runs from 1 to K + 1); a backup's first call is not timed (one-off warm-up). Until both backups are measured auto runs neural first (as before), then fast; afterwards the
+backup not chosen answers a *probe* round now and then, so that its estimates stay current: ``probe_every`` miss
+rounds after the choice last changed, then twice as long after every probe that did not change it, up to
+``max_probe_every`` (a slow neural backup that keeps losing costs one of its drafts per 128 misses). Without a measured V (an in-process
 speculator, or a speculator's first round) auto keeps neural; from ``fast_batch`` rows up it picks fast whatever
 the costs (the paper's rule: a batch's neural backup grows with the batch).
 
@@ -40,8 +41,9 @@ class BackupChoice:
 
     Attributes:
         fast_batch: rows from which auto picks fast whatever the costs.
-        probe_every: the backup not chosen answers every this many miss rounds (once both are measured).
-        alpha: the weight of the newest observation.
+        probe_every / max_probe_every: miss rounds from a change of choice to the first probe of the other backup /
+            the longest interval between probes (doubled after every probe that left the choice as it was).
+        token_memory / time_memory: observations the faded means of tokens / of times remember.
         tokens: per source, the mean emitted tokens (``k + 1``) of the rounds it answered (None: none seen).
         seconds: per backup, its mean time per call (None: not timed yet).
         chosen: miss rounds answered by each backup under auto (probes included).
@@ -49,25 +51,35 @@ class BackupChoice:
 
     fast_batch: int = 8
     probe_every: int = 16
-    alpha: float = 0.2
+    max_probe_every: int = 128
+    token_memory: float = 50.0
+    time_memory: float = 10.0
     tokens: dict[str, float | None] = field(default_factory=lambda: dict.fromkeys(SOURCES))
     seconds: dict[str, float | None] = field(default_factory=lambda: dict.fromkeys(BACKUPS))
     chosen: dict[str, int] = field(default_factory=lambda: dict.fromkeys(BACKUPS, 0))
     _calls: dict[str, int] = field(default_factory=lambda: dict.fromkeys(BACKUPS, 0))
-    _misses: int = 0
+    _interval: int = 0  # miss rounds between probes now (0: probe_every)
+    _since: int = 0  # measured miss rounds since the last probe or change of choice
+    _last: str | None = None  # the preferred backup of the last measured round
+    _weights: dict[str, float] = field(default_factory=dict)  # faded observation counts, per estimate
 
-    def _ema(self, old: float | None, new: float) -> float:
-        return new if old is None else old + self.alpha * (new - old)
+    def _faded(self, kind: str, key: str, value: float, memory: float) -> None:
+        """Fold ``value`` into the faded mean ``self.<kind>[key]`` (``kind``: tokens or seconds), the plain mean
+        while fewer than about ``memory`` values were seen."""
+        name, estimates = f"{kind}:{key}", getattr(self, kind)
+        weight = self._weights[name] = (1.0 - 1.0 / memory) * self._weights.get(name, 0.0) + 1.0
+        old = estimates[key]
+        estimates[key] = value if old is None else old + (value - old) / weight
 
     def observe_tokens(self, source: str, emitted: int) -> None:
         """A row whose proposal came from ``source`` emitted ``emitted`` tokens (k + 1) in its verification."""
-        self.tokens[source] = self._ema(self.tokens[source], emitted)
+        self._faded("tokens", source, emitted, self.token_memory)
 
     def observe_backup(self, backup: str, seconds: float) -> None:
         """One call of ``backup`` took ``seconds`` (the first call of each is warm-up: not timed)."""
         self._calls[backup] += 1
         if self._calls[backup] > 1:
-            self.seconds[backup] = self._ema(self.seconds[backup], seconds)
+            self._faded("seconds", backup, seconds, self.time_memory)
 
     def measured(self, backup: str) -> bool:
         return self.tokens[backup] is not None and self.seconds[backup] is not None
@@ -90,12 +102,15 @@ class BackupChoice:
 
     def choose(self, verify_s: float | None, hits: int, misses: int) -> str:
         """The backup for a round of ``hits + misses`` rows, ``misses`` of them missed: :meth:`preferred`, or the
-        other one on every ``probe_every``-th round that weighed measured costs (counted in ``chosen``)."""
+        other one on a probe round (counted in ``chosen``)."""
         backup = self.preferred(verify_s, hits, misses)
         if hits + misses < self.fast_batch and verify_s is not None and all(map(self.measured, BACKUPS)):
-            self._misses += 1
-            if self._misses % self.probe_every == 0:
+            if backup != self._last:  # the choice changed: probe soon again
+                self._last, self._since, self._interval = backup, 0, self.probe_every
+            self._since += 1
+            if self._since >= self._interval:
                 backup = BACKUPS[1 - BACKUPS.index(backup)]
+                self._since, self._interval = 0, min(2 * self._interval, self.max_probe_every)
         self.chosen[backup] += 1
         return backup
 
