@@ -137,3 +137,15 @@ class BackupChoice:
                 "ms": {b: None if t is None else round(1e3 * t, 3) for b, t in self.seconds.items()},
                 "chosen": dict(self.chosen)}
 
+
+def worth_finishing(budget, choice: BackupChoice | None, remaining_s: float, rows: int) -> bool:
+    """Finish the running build of ``rows`` rows (``remaining_s`` left) for the outcome that arrived? Under auto
+    (``choice`` given), by expected tokens/s against the backup auto would pick (:meth:`BackupChoice.worth_finishing`)
+    once a build and that backup are measured; otherwise by time alone (``budget``: a
+    :class:`~ssd_eagle.ssd.budget.BuildBudget`, :meth:`~ssd_eagle.ssd.budget.BuildBudget.worth_finishing`)."""
+    if choice is not None and budget.ready():
+        finish = choice.worth_finishing(remaining_s, budget.verify_s, budget.draw_hit_rate(), rows)
+        if finish is not None:
+            return finish
+    return budget.worth_finishing(remaining_s)
+

@@ -38,8 +38,8 @@ from dataclasses import dataclass
 import torch
 
 from ssd_eagle.drafters.base import Proposal
-from ssd_eagle.ssd.backup import BACKUPS
 from ssd_eagle.sampling_params import SamplingParams
+from ssd_eagle.ssd.backup import BACKUPS
 
 PROTOCOL_VERSION = 6  # 5: REPLY without the backup word; 4: REPLY with dense q, without fanout and r, and
 # (transport) header and payloads in separate sends; 3: STATS without interrupted builds and the fitted r;
