@@ -22,7 +22,8 @@ served at the same (C, F) with a uniform fan-out (``ssd_eagle3_sag_plain`` / ``s
 
     python scripts/bench_ssd.py --prompts 4 --max-tokens 128 --out runs/bench_ssd
     python scripts/bench_ssd.py --configs ar,sd_ngram,sd_eagle3,ssd_eagle3,sd_lm --temperatures 0 --dtype float32
-    python scripts/bench_ssd.py --configs ar,sd_lm,ssd_lm_geo,ssd_lm_geo_fast --temperatures 0
+    python scripts/bench_ssd.py --configs ar,sd_lm,ssd_lm_geo,ssd_lm_geo_fast,ssd_lm_geo_auto --temperatures 0
+    python scripts/bench_ssd.py --configs ar,ssd_eagle3,ssd_eagle3_fast,ssd_eagle3_auto --temperatures 0 --prompts 1
     python scripts/bench_ssd.py --configs ssd_eagle3_sag_plain,ssd_eagle3_sag_aware --temperatures 0.5,1.0
     python scripts/bench_ssd.py --configs ar,sd_ngram_plan,sd_eagle3_plan,sd_lm_plan --prompts 1 --max-tokens 64 \
         --repeats 3
@@ -116,12 +117,15 @@ def configs(args) -> dict[str, Config]:
         Config("sd_lm", "sd", lm_spec),
         Config("sd_lm_2core", "sd", lm_spec, cores=2),
         Config("ssd_lm_uniform", "ssd", {**lm_spec, **uniform}),
-        Config("ssd_lm_geo", "ssd", {**lm_spec, **geometric}),
+        Config("ssd_lm_geo", "ssd", {**lm_spec, **geometric, "backup": "neural"}),
         Config("ssd_lm_geo_saguaro", "ssd", {**lm_spec, **geometric, "saguaro_c": args.saguaro_c or 0.7}),
         Config("ssd_lm_geo_fast", "ssd", {**lm_spec, **geometric, "backup": "fast"}),  # a miss waits for no draft
+        Config("ssd_lm_geo_auto", "ssd", {**lm_spec, **geometric, "backup": "auto"}),  # the measured choice per miss
         Config("sd_eagle3", "sd", e3),
         Config("sd_eagle3_tree", "sd", {**e3, **tree}),
-        Config("ssd_eagle3", "ssd", {**e3, **geometric}),
+        Config("ssd_eagle3", "ssd", {**e3, **geometric, "backup": "neural"}),
+        Config("ssd_eagle3_fast", "ssd", {**e3, **geometric, "backup": "fast"}),  # a miss drafts by n-gram lookup
+        Config("ssd_eagle3_auto", "ssd", {**e3, **geometric, "backup": "auto"}),  # the measured choice per miss
         Config("ssd_eagle3_tree", "ssd", {**e3, **tree, "fanout_budget": B}),
         Config("ssd_eagle3_tree_auto", "ssd", {**e3, "tree_budget": "auto", "fanout_budget": B}),  # AUTO_TREE
         # the planner's choice of K (up to K, or no speculation) for the same drafters
@@ -193,6 +197,7 @@ def run_engine(engine: LLMEngine, prompts, params, record_top2: bool = False) ->
             "acc": total.acceptance_rate if total.num_drafted else None, "hit": total.cache_hit_rate,
             "V": total.verify_time / rounds, "D": total.draft_time / rounds, "rounds": total.num_rounds,
             "wait_on_hit_ms": summary.get("wait_on_hit_ms"), "wait_on_miss_ms": summary.get("wait_on_miss_ms"),
+            "fast_backup": f"{total.rounds_on_fast_backup}/{total.rounds_on_miss}" if total.cache_lookups else None,
             "planned_k": summary.get("planned_rounds_per_k"), "probes": summary.get("probes"),
             "argmax_ok": consistent if params.logprobs is not None else None, "outputs": outputs, "top2": top2}
 
@@ -212,7 +217,8 @@ def run_hf(model, assistant, prompts, params, kind: str, k: int) -> dict:
         tokens += out.shape[1] - len(p)
         outputs.append(out[0, len(p):].tolist())
     return {"tokens": tokens, "seconds": seconds, "tps": tokens / seconds, "tau": None, "acc": None, "hit": None,
-            "V": None, "D": None, "rounds": None, "wait_on_hit_ms": None, "wait_on_miss_ms": None, "planned_k": None,
+            "V": None, "D": None, "rounds": None, "wait_on_hit_ms": None, "wait_on_miss_ms": None, "fast_backup": None,
+            "planned_k": None,
             "probes": None, "argmax_ok": None, "outputs": outputs, "top2": None}
 
 
@@ -364,7 +370,7 @@ def report(rows, ranks, out_dir: Path, args, platform_line: str) -> None:
           f"K={args.k} B={args.budget} repeats={args.repeats} (tok/s: median, spread min-max)")
     header = f"{'config':24s} {'T':>4s} {'tok/s':>7s} {'spread':>13s} {'tau':>5s} {'acc':>5s} {'hit':>5s} " \
              f"{'xAR':>5s} {'xSD':>5s} {'V ms':>6s} {'D ms':>6s} {'bound':>5s} {'reach':>5s} {'wHit':>6s} " \
-             f"{'wMiss':>6s} {'div':>5s}"
+             f"{'wMiss':>6s} {'fastB':>7s} {'div':>5s}"
     print(header)
     fmt = lambda v, spec: format(v, spec) if v is not None else "-"  # noqa: E731
     for r in rows:
@@ -380,10 +386,12 @@ def report(rows, ranks, out_dir: Path, args, platform_line: str) -> None:
               f"{fmt(r['tps'] / ar['tps'] if ar else None, '5.2f'):>5s} "
               f"{fmt(r['tps'] / sd['tps'] if sd else None, '5.2f'):>5s} {fmt(r['V'] and r['V'] * 1e3, '6.1f'):>6s} "
               f"{fmt(r['D'] and r['D'] * 1e3, '6.1f'):>6s} {fmt(bound, '5.2f'):>5s} {fmt(reached, '5.2f'):>5s} "
-              f"{fmt(r['wait_on_hit_ms'], '6.2f'):>6s} {fmt(r['wait_on_miss_ms'], '6.2f'):>6s} {div:>5s}")
+              f"{fmt(r['wait_on_hit_ms'], '6.2f'):>6s} {fmt(r['wait_on_miss_ms'], '6.2f'):>6s} "
+              f"{r['fast_backup'] or '-':>7s} {div:>5s}")
     print("bound/reach: SD rows (V + D) / V and the SSD config's tok/s over it; SSD rows tau x T1 / V(K+1) and "
           "tok/s over AR.\nwHit/wMiss: the verifier's mean wait per round for its drafts (ms) on speculation cache "
-          "hits / misses (SSD).\ndiv (T = 0): prompts whose output differs from AR's; '!' marks a divergence that is "
+          "hits / misses (SSD).\nfastB: misses answered by the fast (n-gram) backup / all misses (backup fast, or auto's "
+          "choice).\ndiv (T = 0): prompts whose output differs from AR's; '!' marks a divergence that is "
           "not a near tie (AR top-2 gap > 2^-6 max(|top1|, 1)) or a token that is not its verification's argmax.")
     for r in rows:
         if r.get("gaps"):

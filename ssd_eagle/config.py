@@ -84,9 +84,13 @@ class SpeculativeConfig(ConfigModel):
         "fanout_strategy geometric, or a tree)")
     fanout_miss: list[int] | None = Field(None, description="a separate F_0..F_K after a cache miss (None: the same)")
     backup: Literal["neural", "fast", "auto"] = Field(
-        "neural", description="SSD's backup speculator on a cache miss: neural, fast (n-gram) or auto (fast from "
-        "fast_backup_batch rows up, neural below)")
-    fast_backup_batch: int = Field(8, description="rows from which backup auto picks the fast speculator")
+        "auto", description="SSD's backup speculator on a cache miss: neural (the draft drafts K tokens while the "
+        "verifier waits), fast (n-gram lookup, ~1 ms) or auto (the default): every round the one with the higher "
+        "expected tokens/s, from what the speculator measures at run time (each backup's time, the verification "
+        "time, the tokens the rounds each backup answered emitted), the other one probed now and then; fast from "
+        "fast_backup_batch rows up; neural until a verification was measured (see ssd_eagle.ssd.backup)")
+    fast_backup_batch: int = Field(8, description="rows from which backup auto picks the fast speculator whatever "
+                                   "the measured costs")
     speculator: Literal["process", "local"] = Field(
         "process", description="process (its own process and device, overlapping verification) or local (in the "
         "verifier's process, no overlap; for debugging)")

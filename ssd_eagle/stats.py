@@ -53,6 +53,8 @@ class SpecStats:
         num_probes: rounds in which a request the planner had switched off drafted a short probe.
         fanout_built: branches the speculation cache held at the lookups (the fan-out actually built, summed).
         fanout_power: the speculator's fitted r at the last lookup (``fanout_power: "auto"``; None before its fit).
+        rounds_on_fast_backup: rounds on a miss whose drafts the fast (n-gram) backup made (``backup: fast``, or
+            ``auto``'s choice: :mod:`ssd_eagle.ssd.backup`); the other misses' the neural backup.
     """
 
     num_rounds: int = 0
@@ -77,6 +79,7 @@ class SpecStats:
     num_probes: int = 0
     fanout_built: int = 0
     fanout_power: float | None = None
+    rounds_on_fast_backup: int = 0
 
     def record_plan(self, k: int, probe: bool) -> None:
         """Record the planner's draft length ``k`` for one request's round (``probe``: a probe of a request whose
@@ -93,9 +96,10 @@ class SpecStats:
         self.accepted_lengths.append(num_accepted)
 
     def record_lookup(self, k: int, hit: bool, num_emitted: int, wait: float = 0.0, fanout: int | None = None,
-                      fanout_power: float | None = None) -> None:
+                      fanout_power: float | None = None, backup: str | None = None) -> None:
         """Record one speculation cache lookup for accepted length ``k``, the tokens the round then emitted, the
-        seconds the verifier waited for the round's drafts, the branches the cache held and the fitted r."""
+        seconds the verifier waited for the round's drafts, the branches the cache held, the fitted r and, on a
+        miss, the backup that drafted (``neural`` or ``fast``)."""
         self.cache_lookups += 1
         self.fanout_built += fanout or 0
         if fanout_power is not None:
@@ -111,6 +115,7 @@ class SpecStats:
             self.wait_on_miss += wait
             self.emitted_on_miss += num_emitted
             self.rounds_on_miss += 1
+            self.rounds_on_fast_backup += backup == "fast"
 
     @property
     def tau(self) -> float:
@@ -139,7 +144,8 @@ class SpecStats:
         """Add ``other``'s counters into this one (in place) and return self."""
         for name in ("num_rounds", "num_emitted", "num_drafted", "num_accepted", "cache_lookups", "cache_hits",
                      "emitted_on_hit", "rounds_on_hit", "emitted_on_miss", "rounds_on_miss", "wait_on_hit",
-                     "wait_on_miss", "verify_time", "draft_time", "prefill_time", "num_probes", "fanout_built"):
+                     "wait_on_miss", "verify_time", "draft_time", "prefill_time", "num_probes", "fanout_built",
+                     "rounds_on_fast_backup"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         if other.fanout_power is not None:
             self.fanout_power = other.fanout_power
@@ -155,7 +161,8 @@ class SpecStats:
         ``planned_rounds_per_k`` (``{K: rounds}``, K = 0 included), ``rounds_without_speculation`` (rounds at K = 0)
         and ``probes``; with speculation cache lookups, the hit rates and the verifier's mean wait per round on hits
         and on misses in milliseconds (``wait_on_hit_ms``, ``wait_on_miss_ms``; None without such rounds), the
-        branches the cache held per lookup (``fanout_per_lookup``) and the fitted r (``fanout_power``, None unless
+        misses the fast backup answered (``rounds_on_fast_backup``, of ``rounds_on_miss``), the branches the cache
+        held per lookup (``fanout_per_lookup``) and the fitted r (``fanout_power``, None unless
         ``fanout_power: "auto"`` has fitted it)."""
         out = {
             "rounds": self.num_rounds,
@@ -177,6 +184,7 @@ class SpecStats:
                                        ("miss", self.wait_on_miss, self.rounds_on_miss)):
                 out[f"rounds_on_{name}"] = rounds
                 out[f"wait_on_{name}_ms"] = round(1e3 * wait / rounds, 3) if rounds else None
+            out["rounds_on_fast_backup"] = self.rounds_on_fast_backup
         if self.planned_k:
             out["planned_rounds_per_k"] = dict(sorted(self.planned_k.items()))
             out["rounds_without_speculation"] = self.planned_k.get(0, 0)

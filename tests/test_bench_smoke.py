@@ -111,7 +111,8 @@ def test_bench_ssd(scripts):
     assert "!" not in table, "a divergence that is not a near tie, or a token that is not its verification's argmax"
     assert "wHit" in table and "wMiss" in table
     ssd_row = next(line for line in table.splitlines() if line.startswith("ssd_lm_geo "))
-    assert ssd_row.split()[-3] != "-" or ssd_row.split()[-2] != "-", "an SSD row without the verifier's waits"
+    assert ssd_row.split()[-4] != "-" or ssd_row.split()[-3] != "-", "an SSD row without the verifier's waits"
+    assert "/" in ssd_row.split()[-2], "an SSD row without its fast-backup misses (fastB)"
     for temp in ("0", "1"):
         assert f"planner's choice vs AR: sd_ngram_plan T={temp}: median ratio over 1 runs" in out
     assert (scripts[1] / "results.csv").is_file()

@@ -59,7 +59,8 @@ def test_builds_stopped_at_every_step_keep_greedy_output_exact(byte_tokenizer):
 
 def test_output_law_is_unchanged_by_interrupted_builds(byte_tokenizer):
     target = make_tiny_llama(vocab_size=V, seed=6, init_std=0.15)
-    engine = ssd_engine(target, noisy_copy(target, 0.5, seed=9), byte_tokenizer, max_num_seqs=128, k=2)
+    engine = ssd_engine(target, noisy_copy(target, 0.5, seed=9), byte_tokenizer, max_num_seqs=128, k=2,
+                        backup="neural")  # (auto would pick fast from fast_backup_batch rows up)
     speculator = engine.drafter.speculator.speculator
     StopAtCheck(k=2).wrap(speculator)
     prompt, temperature = [1, 3, 0, 2, 2], 0.9
@@ -262,7 +263,8 @@ def test_builds_finish_again_after_an_unlucky_start(byte_tokenizer):
     target's greedy decode."""
     step_s, k = 0.05, 6
     target = make_tiny_llama(seed=3)
-    engine = ssd_engine(target, noisy_copy(target, 0.02), byte_tokenizer, max_num_seqs=1, k=k)
+    engine = ssd_engine(target, noisy_copy(target, 0.02), byte_tokenizer, max_num_seqs=1, k=k,
+                        backup="neural")  # (the time rule against the neural backup)
     speculator = engine.drafter.speculator.speculator
     speculator.budget.cap = lambda steps=None: None  # every build full-size
     speculator.budget.chain_depth = lambda max_steps, min_branches: max_steps

@@ -78,8 +78,8 @@ V, T_OUT, N_REQ = LAW_VOCAB, LAW_TOKENS, 4000
 
 
 @pytest.mark.parametrize("variant", [
-    dict(),
-    dict(saguaro_c=0.3, fanout=[1]),
+    dict(backup="neural"),  # (auto would pick fast: a propose call has >= fast_backup_batch rows here)
+    dict(backup="neural", saguaro_c=0.3, fanout=[1]),
     dict(backup="fast", fanout_strategy="geometric", fanout_budget=4, fanout_acceptance=0.5),
 ], ids=["neural_backup_uniform", "saguaro", "fast_backup_geometric"])
 def test_output_law_equals_the_targets(variant, byte_tokenizer):

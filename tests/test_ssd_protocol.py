@@ -34,7 +34,7 @@ def assert_same_proposals(got: list[Proposal], want: list[Proposal]) -> None:
     assert len(got) == len(want)
     for g, w in zip(got, want):
         assert (g.tokens, g.cache_hit, g.lookup_k, g.parents) == (w.tokens, w.cache_hit, w.lookup_k, w.parents)
-        assert (g.fanout, g.fanout_power) == (w.fanout, w.fanout_power)
+        assert (g.fanout, g.fanout_power, g.backup) == (w.fanout, w.fanout_power, w.backup)
         assert (g.q is None) == (w.q is None)
         if w.q is not None:
             torch.testing.assert_close(g.q, w.q, rtol=0, atol=0)
@@ -62,9 +62,10 @@ def test_propose_round_trips_first_rounds_rejections_and_acceptances():
 
 def test_reply_round_trips_chains_trees_hits_and_misses():
     q = torch.softmax(torch.randn(3, V, dtype=torch.float64), dim=-1)
-    proposals = [Proposal([1, 2, 3], q, True, 2, fanout=24, fanout_power=0.412345), Proposal([4, 5], None, False, 0),
-                 Proposal([]), Proposal([6, 1, 2], None, None, None, [0, 1, 1]),
-                 Proposal([], None, False, 3, fanout=0, fanout_power=1.5)]
+    proposals = [Proposal([1, 2, 3], q, True, 2, fanout=24, fanout_power=0.412345),
+                 Proposal([4, 5], None, False, 0, backup="fast"), Proposal([], backup="neural"),
+                 Proposal([6, 1, 2], None, None, None, [0, 1, 1]),
+                 Proposal([], None, False, 3, fanout=0, fanout_power=1.5, backup="neural")]
     assert_same_proposals(p.decode_reply(p.encode_reply(proposals), V), proposals)
 
 

@@ -43,6 +43,8 @@ class Proposal:
             feature paired with the node's token when it is fed back). Never sent to the verifier.
         fanout: SSD only: the branches the speculation cache held for the lookup (the fan-out actually built).
         fanout_power: SSD only: the speculator's fitted r (``fanout_power: "auto"``; None before its first fit).
+        backup: SSD only: the backup that drafted this proposal after a miss, ``neural`` or ``fast`` (None: from
+            the speculation cache).
     """
 
     tokens: list[int]
@@ -53,6 +55,7 @@ class Proposal:
     hidden: torch.Tensor | None = None
     fanout: int | None = None
     fanout_power: float | None = None
+    backup: str | None = None
 
     def parent_list(self) -> list[int]:
         """Each node's parent (0 = the root), for a chain ``[0, 1, ..., k-1]``."""

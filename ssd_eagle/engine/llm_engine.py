@@ -345,7 +345,7 @@ class LLMEngine:
             for stats in (seq.stats, self.stats):
                 stats.record_round(len(p.tokens), k, emitted)
                 if p.cache_hit is not None and budgets[row]:  # a planned-off round's cache answer goes unused
-                    stats.record_lookup(p.lookup_k, p.cache_hit, emitted, t1 - t0, p.fanout, p.fanout_power)
+                    stats.record_lookup(p.lookup_k, p.cache_hit, emitted, t1 - t0, p.fanout, p.fanout_power, p.backup)
             seq.stats.draft_time += t1 - t0
             seq.stats.verify_time += t2 - t1
             if not seq.finished:

@@ -161,7 +161,15 @@ class BuildBudget:
             return True
         if self.backup_s is None:
             return False
-        return remaining_s < self.rng.betavariate(*self.hit_posterior()) * self.backup_s
+        return remaining_s < self.draw_hit_rate() * self.backup_s
+
+    def draw_hit_rate(self) -> float:
+        """One Thompson draw of p from :meth:`hit_posterior`."""
+        return self.rng.betavariate(*self.hit_posterior())
+
+    def ready(self) -> bool:
+        """Whether a build was measured (before that, builds finish: :meth:`worth_finishing`)."""
+        return self._seen
 
     def observe_build(self, fixed_s: float, branches: int, steps: int, branch_s: float, complete: bool = True) -> None:
         """One build: ``fixed_s`` before the branches, then ``steps`` forwards over ``branches`` in ``branch_s``.

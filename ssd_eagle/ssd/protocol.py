@@ -8,8 +8,8 @@ n_floats]`` and then the payloads as plain tensors (no pickling on the hot path)
               floats [temperature, top_p, aux[(n - done) * W]]           (their aux states: EAGLE-3 only)
     PROPOSE   ints   [rows, W, per row: slot, k, bonus, budget; then every row's k accepted tokens]
               floats [aux[(k + 1) * W] of every row with k >= 0]         (W = 0: no aux)
-    REPLY     ints   [rows, n, support[n], per row: hit, lookup_k, fanout, power_micro, m, has_q, is_tree,
-              tokens[m], parents[m] if is_tree]
+    REPLY     ints   [rows, n, support[n], per row: hit, lookup_k, fanout, power_micro, backup, m, has_q, is_tree,
+              tokens[m], parents[m] if is_tree]   (backup: -1 from the cache, else its index in BACKUPS)
               floats [q[m, support] of every row with has_q]  (support: the columns where some q of the reply is
               nonzero, ascending; every other entry of every q is exactly 0)
     REMOVE    ints   [slot]
@@ -39,10 +39,11 @@ import torch
 
 from ssd_eagle.drafters.base import Proposal
 from ssd_eagle.sampling_params import SamplingParams
+from ssd_eagle.ssd.backup import BACKUPS
 
-PROTOCOL_VERSION = 5  # 4: REPLY with dense q, without fanout and r, and (transport) header and payloads in separate
-# sends; 3: STATS without interrupted builds and the fitted r; 2: one ADD per sequence (no chunks);
-# 1: the unversioned layout before this module (no aux width, float statistics)
+PROTOCOL_VERSION = 6  # 5: REPLY without the backup word; 4: REPLY with dense q, without fanout and r, and
+# (transport) header and payloads in separate sends; 3: STATS without interrupted builds and the fitted r;
+# 2: one ADD per sequence (no chunks); 1: the unversioned layout before this module (no aux width, float statistics)
 ADD, PROPOSE, REPLY, REMOVE, STATS, SHUTDOWN, ERROR = range(1, 8)
 
 
@@ -136,8 +137,9 @@ def encode_reply(proposals: list[Proposal]) -> Message:
     for p in proposals:
         is_tree = p.parents is not None
         power = None if p.fanout_power is None else round(p.fanout_power * 1e6)
-        ints += [_none_as(p.cache_hit), _none_as(p.lookup_k), _none_as(p.fanout), _none_as(power), len(p.tokens),
-                 int(p.q is not None), int(is_tree), *p.tokens, *(p.parents if is_tree else [])]
+        backup = None if p.backup is None else BACKUPS.index(p.backup)
+        ints += [_none_as(p.cache_hit), _none_as(p.lookup_k), _none_as(p.fanout), _none_as(power), _none_as(backup),
+                 len(p.tokens), int(p.q is not None), int(is_tree), *p.tokens, *(p.parents if is_tree else [])]
     floats = torch.cat([q.index_select(1, support.to(q.device)).reshape(-1).cpu() for q in qs]) if qs else None
     return Message(REPLY, torch.tensor(ints, dtype=torch.long), floats)
 
@@ -149,8 +151,8 @@ def decode_reply(msg: Message, vocab_size: int) -> list[Proposal]:
     support = msg.ints[2: 2 + n].clone()
     proposals, cursor, offset = [], 2 + n, 0
     for _ in range(values[0]):
-        hit, lookup_k, fanout, power, m, has_q, is_tree = values[cursor: cursor + 7]
-        cursor += 7
+        hit, lookup_k, fanout, power, backup, m, has_q, is_tree = values[cursor: cursor + 8]
+        cursor += 8
         tokens = values[cursor: cursor + m]
         cursor += m
         parents = None
@@ -165,7 +167,8 @@ def decode_reply(msg: Message, vocab_size: int) -> list[Proposal]:
         hit = _as_none(hit)
         power = _as_none(power)
         proposals.append(Proposal(tokens, q, None if hit is None else bool(hit), _as_none(lookup_k), parents,
-                                  fanout=_as_none(fanout), fanout_power=None if power is None else power / 1e6))
+                                  fanout=_as_none(fanout), fanout_power=None if power is None else power / 1e6,
+                                  backup=None if backup < 0 else BACKUPS[backup]))
     return proposals
 
 

@@ -33,17 +33,17 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field, replace
 
-import numpy as np
 import torch
 
 from ssd_eagle.drafters.backends import DraftBackend
 from ssd_eagle.drafters.base import Proposal, SaguaroSampling
 from ssd_eagle.drafters.chain import draft_chain
 from ssd_eagle.drafters.neural import draft_from_committed
-from ssd_eagle.drafters.ngram import lookup_continuation
+from ssd_eagle.drafters.ngram import NgramDrafter
 from ssd_eagle.drafters.tree import TreeSettings
 from ssd_eagle.kv_cache import ForwardBatch
 from ssd_eagle.sampling_params import SamplingParams
+from ssd_eagle.ssd.backup import BackupChoice, worth_finishing
 from ssd_eagle.ssd.branch_trees import (NodeHitTable, NodeLayout, branch_batch, draft_branch_trees,
                                         draft_land_probabilities, outcome_branches, ranked_candidates, tree_fanout)
 from ssd_eagle.ssd.budget import BuildBudget, BuildInterrupted, BuildStop
@@ -69,6 +69,7 @@ class _Seq:
     cache: dict[tuple[tuple[int, ...], int], Proposal] = field(default_factory=dict)
     candidates: dict[tuple[int, ...], list[int]] = field(default_factory=dict)  # per accepted path, best first
     nodes: tuple[NodeLayout, list[list[int]], list[float]] | None = None  # the proposal's, ranks, draft's P(land)
+    source: str | None = None  # who made the proposal: "hit", "neural" or "fast" (None: none, or a budget of 0)
 
 
 class Speculator:
@@ -79,7 +80,8 @@ class Speculator:
         num_speculative_tokens: K (chain length, or the depth cap of trees).
         fanout: F_0..F_K used after a hit (and after the first round); for trees its sum is the budget B.
         fanout_miss: F_0..F_K used after a miss (default: ``fanout``).
-        backup: ``neural``, ``fast`` or ``auto`` (fast from ``fast_backup_batch`` rows up, as the paper suggests).
+        backup: ``neural``, ``fast`` or ``auto``: per round the one with the higher measured expected tokens/s,
+            fast from ``fast_backup_batch`` rows up (:mod:`ssd_eagle.ssd.backup`).
         saguaro: Saguaro sampling (C and the fan-out it scales with); None = plain sampling.
         prompt_lookup: (min_n, max_n) of the fast backup.
         tree: propose dynamic trees of this shape instead of chains.
@@ -104,11 +106,11 @@ class Speculator:
         self.backend = backend
         self.K = K
         self.backup = backup
-        self.fast_backup_batch = fast_backup_batch
+        self.choice = BackupChoice(fast_batch=fast_backup_batch)  # measured in every mode, decides under auto
         self.saguaro = saguaro
         self._own_miss = fanout_miss is not None
         self._set_fanout(list(fanout), list(fanout_miss) if fanout_miss is not None else None)
-        self.prompt_lookup = prompt_lookup
+        self.lookup = NgramDrafter(*prompt_lookup)  # the fast backup
         self.tree = tree
         self.auto = AutoFanout(sum(fanout), K) if power == "auto" else None
         self.power = 1.0 if self.auto is not None else float(power)
@@ -175,21 +177,17 @@ class Speculator:
             lookups.append({} if hit is None else {"cache_hit": hit, "lookup_k": req.num_accepted,
                                                    "fanout": len(seq.cache), "fanout_power": self.stats.fanout_power})
             if hit:
-                replies[i] = self._reply(seq, seq.cache[self._key(seq, req)].cut(req.budget), lookups[i])
+                replies[i] = self._reply(seq, seq.cache[self._key(seq, req)].cut(req.budget), lookups[i], "hit",
+                                         req.budget)
             else:
                 misses.append(i)
             seq.cache, seq.candidates, seq.built, seq.nodes = {}, {}, False, None
             self._to_build.append((seq, hit is False))
         if misses:
-            fast = self.backup == "fast" or (self.backup == "auto" and len(requests) >= self.fast_backup_batch)
             rows = [self.seqs[requests[i].slot] for i in misses]
-            budgets = [requests[i].budget for i in misses]
-            before = time.perf_counter()
-            drafts = self._fast_backup(rows, budgets) if fast else self._neural_backup(rows, budgets)
-            if not fast:
-                self.budget.observe_backup(time.perf_counter() - before)
+            backup, drafts = self._backup(rows, [requests[i].budget for i in misses], len(requests) - len(misses))
             for i, seq, draft in zip(misses, rows, drafts):
-                replies[i] = self._reply(seq, draft, lookups[i])
+                replies[i] = self._reply(seq, draft, lookups[i], backup, requests[i].budget)
         return replies
 
     def _key(self, seq: _Seq, req: SpecRequest) -> tuple[tuple[int, ...], int]:
@@ -206,6 +204,8 @@ class Speculator:
         elif proposal is not None and seq.fed:
             # the accepted path is cached where it lies only for a chain (trees are fed again)
             seq.num_cached = seq.path_base + (len(path) if proposal.parents is None else 0)
+        if seq.source is not None:
+            self.choice.observe_tokens(seq.source, len(path) + 1)
         cands = seq.candidates.get(path)
         if cands is not None:
             self.stats.bonus_ranks.append(cands.index(bonus) if bonus in cands else -1)
@@ -226,13 +226,15 @@ class Speculator:
             self.budget.observe_lookup(hit)
         return hit
 
-    def _reply(self, seq: _Seq, draft: Proposal, lookup: dict) -> Proposal:
-        """Remember ``draft`` as the row's proposal; the reply is a copy without the draft's outputs, with
-        ``lookup``'s fields (cache_hit, lookup_k, fanout, fanout_power; none without a lookup)."""
-        seq.proposal, seq.fed = draft, False
+    def _reply(self, seq: _Seq, draft: Proposal, lookup: dict, source: str, budget: int) -> Proposal:
+        """Remember ``draft`` as the row's proposal, made by ``source`` (hit, neural or fast) for ``budget`` tokens;
+        the reply is a copy without the draft's outputs, with ``lookup``'s fields (cache_hit, lookup_k, fanout,
+        fanout_power; none without a lookup) and, from a backup, the backup's name."""
+        seq.proposal, seq.fed, seq.source = draft, False, source if budget > 0 else None
         seq.path_base = len(seq.token_ids)
         none = {"cache_hit": None, "lookup_k": None, "fanout": None, "fanout_power": None}
-        return replace(draft, tokens=list(draft.tokens), hidden=None, **{**none, **lookup})
+        return replace(draft, tokens=list(draft.tokens), hidden=None, backup=None if source == "hit" else source,
+                       **{**none, **lookup})
 
     def _fuse(self, seqs: list[_Seq]) -> None:
         """EAGLE-3: fuse the aux states the rows' outcomes brought (``raw``) into their ``pending`` features, all
@@ -245,10 +247,19 @@ class Speculator:
             seq.raw = []
 
     # backups
-    def _fast_backup(self, rows: list[_Seq], budgets: list[int]) -> list[Proposal]:
-        min_n, max_n = self.prompt_lookup
-        return [Proposal(lookup_continuation(np.asarray(s.token_ids, dtype=np.int64), b, min_n, max_n))
-                for s, b in zip(rows, budgets)]
+    def _backup(self, rows: list[_Seq], budgets: list[int], hits: int) -> tuple[str, list[Proposal]]:
+        """The backup (under auto: chosen for ``hits`` cached rows and these misses) and its drafts for ``rows``,
+        timed. A planned-off round (budgets 0) drafts nothing: no choice, no timing."""
+        if not any(b > 0 for b in budgets):
+            return ("fast" if self.backup == "auto" else self.backup), [Proposal([]) for _ in rows]
+        backup = self.backup if self.backup != "auto" else self.choice.choose(self.budget.verify_s, hits, len(rows))
+        before = time.perf_counter()
+        drafts = self.lookup.propose(rows, budgets) if backup == "fast" else self._neural_backup(rows, budgets)
+        seconds = time.perf_counter() - before
+        self.choice.observe_backup(backup, seconds)
+        if backup == "neural":
+            self.budget.observe_backup(seconds)
+        return backup, drafts
 
     def _neural_backup(self, rows: list[_Seq], budgets: list[int]) -> list[Proposal]:
         """Draft from the committed text now: one forward over the uncached tokens (fresh target features for
@@ -303,7 +314,9 @@ class Speculator:
         seqs = [s for s, _ in rows]
         steps = self.tree.depth if self.tree is not None else \
             self.budget.chain_depth(self.K, len(rows) * -(-sum(self.fanout) // 2))  # branch forwards (trees: about)
-        self._stop.finish = lambda: self.budget.worth_finishing(self.budget.remaining_s(steps, fixed=True))
+        auto = self.choice if self.backup == "auto" else None  # (finishing weighs tokens too under auto)
+        self._stop.finish = lambda: worth_finishing(self.budget, auto, self.budget.remaining_s(steps, fixed=True),
+                                                    len(rows))
         self._stop.check()
         self._fuse(seqs)
         node_logits, node_hidden, node_kv = self._proposal_forward(seqs)
@@ -324,8 +337,8 @@ class Speculator:
         if any(branches):
             fixed, before, complete = time.perf_counter() - start, self.backend.forwards, False
             n = len(rows) * max(map(len, branches))
-            self._stop.finish = lambda: self.budget.worth_finishing(
-                self.budget.remaining_s(steps - (self.backend.forwards - before), n))
+            self._stop.finish = lambda: worth_finishing(
+                self.budget, auto, self.budget.remaining_s(steps - (self.backend.forwards - before), n), len(rows))
             try:
                 if self.tree is not None:
                     self._draft_branch_trees(seqs, branches)

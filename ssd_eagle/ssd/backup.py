@@ -1,0 +1,151 @@
+"""``backup: auto``: the speculator's backup on a cache miss, chosen every round from measured costs (issue 13).
+
+On a miss the verifier waits for the backup's draft, then verifies it. A round whose misses the backup b answers
+takes ``W_b + V`` seconds (``W_b``: the backup's measured time, ``V``: the verification, measured by the worker as
+:attr:`BuildBudget.verify_s <ssd_eagle.ssd.budget.BuildBudget.verify_s>`) and each of its rows emits on average
+``E_src`` tokens, ``k + 1`` of the rounds whose proposal came from that source (``hit``, ``neural`` or ``fast``),
+measured when the row's next outcome arrives. With ``h`` rows answered from the cache and ``m`` missed, auto picks
+
+    argmax_b  (h E_hit + m E_b) / (W_b + V)                       (the round's expected tokens per second)
+
+so a neural backup whose K-step draft is a large share of V (a draft LM's chain: ~95 ms against a ~100 ms
+verification) loses to the n-gram lookup (~1 ms) unless its drafts are accepted that much longer, and a cheap one
+(an EAGLE-3 head on a slow target) keeps drafting. The estimates are faded means (the last ``token_memory`` rounds,
+``time_memory`` calls), so the choice follows the drafter, the text and the batch as they change without flipping
+on one lucky round (a round's k + 1 runs from 1 to K + 1); a backup's first call is not timed (one-off warm-up). Until both backups are measured auto runs neural first (as before), then fast; afterwards the
+backup not chosen answers a *probe* round now and then, so that its estimates stay current: ``probe_every`` miss
+rounds after the choice last changed, then twice as long after every probe that did not change it, up to
+``max_probe_every`` (a slow neural backup that keeps losing costs one of its drafts per 128 misses). Without a measured V (an in-process
+speculator, or a speculator's first round) auto keeps neural; from ``fast_batch`` rows up it picks fast whatever
+the costs (the paper's rule: a batch's neural backup grows with the batch).
+
+A build that the verifier's next outcome finds running weighs finishing against answering now with the chosen
+backup (:meth:`BackupChoice.worth_finishing`) by the same tokens-per-second measure.
+
+Limits: the choice weighs one round. After a fast proposal the next build differs (an n-gram proposal is often
+empty, and the build over its single outcome node is cheap and hits more often); that effect reaches the choice only
+through ``E_hit``. Every proposal stays exactly as lossless as before: the choice only decides who drafts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+BACKUPS = ("neural", "fast")
+SOURCES = ("hit",) + BACKUPS
+
+
+@dataclass
+class BackupChoice:
+    """Measured tokens and times per proposal source, and auto's choice of backup (see the module docstring).
+
+    Attributes:
+        fast_batch: rows from which auto picks fast whatever the costs.
+        probe_every / max_probe_every: miss rounds from a change of choice to the first probe of the other backup /
+            the longest interval between probes (doubled after every probe that left the choice as it was).
+        token_memory / time_memory: observations the faded means of tokens / of times remember.
+        tokens: per source, the mean emitted tokens (``k + 1``) of the rounds it answered (None: none seen).
+        seconds: per backup, its mean time per call (None: not timed yet).
+        chosen: miss rounds answered by each backup under auto (probes included).
+    """
+
+    fast_batch: int = 8
+    probe_every: int = 16
+    max_probe_every: int = 128
+    token_memory: float = 50.0
+    time_memory: float = 10.0
+    tokens: dict[str, float | None] = field(default_factory=lambda: dict.fromkeys(SOURCES))
+    seconds: dict[str, float | None] = field(default_factory=lambda: dict.fromkeys(BACKUPS))
+    chosen: dict[str, int] = field(default_factory=lambda: dict.fromkeys(BACKUPS, 0))
+    _calls: dict[str, int] = field(default_factory=lambda: dict.fromkeys(BACKUPS, 0))
+    _interval: int = 0  # miss rounds between probes now (0: probe_every)
+    _since: int = 0  # measured miss rounds since the last probe or change of choice
+    _last: str | None = None  # the preferred backup of the last measured round
+    _weights: dict[str, float] = field(default_factory=dict)  # faded observation counts, per estimate
+
+    def _faded(self, kind: str, key: str, value: float, memory: float) -> None:
+        """Fold ``value`` into the faded mean ``self.<kind>[key]`` (``kind``: tokens or seconds), the plain mean
+        while fewer than about ``memory`` values were seen."""
+        name, estimates = f"{kind}:{key}", getattr(self, kind)
+        weight = self._weights[name] = (1.0 - 1.0 / memory) * self._weights.get(name, 0.0) + 1.0
+        old = estimates[key]
+        estimates[key] = value if old is None else old + (value - old) / weight
+
+    def observe_tokens(self, source: str, emitted: int) -> None:
+        """A row whose proposal came from ``source`` emitted ``emitted`` tokens (k + 1) in its verification."""
+        self._faded("tokens", source, emitted, self.token_memory)
+
+    def observe_backup(self, backup: str, seconds: float) -> None:
+        """One call of ``backup`` took ``seconds`` (the first call of each is warm-up: not timed)."""
+        self._calls[backup] += 1
+        if self._calls[backup] > 1:
+            self._faded("seconds", backup, seconds, self.time_memory)
+
+    def measured(self, backup: str) -> bool:
+        return self.tokens[backup] is not None and self.seconds[backup] is not None
+
+    def rate(self, backup: str, verify_s: float, hits: int = 0, misses: int = 1) -> float:
+        """Expected tokens per second of a round with ``hits`` cached rows and ``misses`` rows ``backup`` answers."""
+        hit_tokens = hits * (self.tokens["hit"] or 0.0)
+        return (hit_tokens + misses * self.tokens[backup]) / (self.seconds[backup] + verify_s)
+
+    def preferred(self, verify_s: float | None, hits: int = 0, misses: int = 1) -> str:
+        """The backup auto would pick for such a round, without probing: fast from ``fast_batch`` rows up, neural
+        without a measured V, the unmeasured one (neural first) until both are measured, else the higher rate."""
+        if hits + misses >= self.fast_batch:
+            return "fast"
+        if verify_s is None:
+            return "neural"
+        if not all(map(self.measured, BACKUPS)):
+            return "neural" if not self.measured("neural") else "fast"
+        return max(BACKUPS, key=lambda b: self.rate(b, verify_s, hits, misses))
+
+    def choose(self, verify_s: float | None, hits: int, misses: int) -> str:
+        """The backup for a round of ``hits + misses`` rows, ``misses`` of them missed: :meth:`preferred`, or the
+        other one on a probe round (counted in ``chosen``)."""
+        backup = self.preferred(verify_s, hits, misses)
+        if hits + misses < self.fast_batch and verify_s is not None and all(map(self.measured, BACKUPS)):
+            if backup != self._last:  # the choice changed: probe soon again
+                self._last, self._since, self._interval = backup, 0, self.probe_every
+            self._since += 1
+            if self._since >= self._interval:
+                backup = BACKUPS[1 - BACKUPS.index(backup)]
+                self._since, self._interval = 0, min(2 * self._interval, self.max_probe_every)
+        self.chosen[backup] += 1
+        return backup
+
+    def worth_finishing(self, remaining_s: float, verify_s: float | None, hit_rate: float,
+                        rows: int = 1) -> bool | None:
+        """Whether finishing a build of ``rows`` rows with ``remaining_s`` seconds left beats answering the waiting
+        outcome now with the backup b auto would pick, in expected tokens per second of a row's round:
+
+            (p E_hit + (1 - p) E_b) / (R + (1 - p) W_b + V)   against   E_b / (W_b + V)
+
+        (``p = hit_rate``: a finished build hits with probability p; a miss still waits for b). With equal tokens
+        it is :meth:`BuildBudget.worth_finishing <ssd_eagle.ssd.budget.BuildBudget.worth_finishing>`'s
+        ``R < p W_b``. None while V, ``E_hit`` or b is not measured (the caller then decides by time alone)."""
+        backup = self.preferred(verify_s, 0, rows)
+        if verify_s is None or self.tokens["hit"] is None or not self.measured(backup):
+            return None
+        e_hit, e_b, w_b = self.tokens["hit"], self.tokens[backup], self.seconds[backup]
+        finish = (hit_rate * e_hit + (1 - hit_rate) * e_b) / (remaining_s + (1 - hit_rate) * w_b + verify_s)
+        return finish > e_b / (w_b + verify_s)
+
+    def summary(self) -> dict:
+        """JSON-ready: the estimates (tokens per round, milliseconds per call) and the miss rounds per backup."""
+        return {"tokens": {s: None if t is None else round(t, 3) for s, t in self.tokens.items()},
+                "ms": {b: None if t is None else round(1e3 * t, 3) for b, t in self.seconds.items()},
+                "chosen": dict(self.chosen)}
+
+
+def worth_finishing(budget, choice: BackupChoice | None, remaining_s: float, rows: int) -> bool:
+    """Finish the running build of ``rows`` rows (``remaining_s`` left) for the outcome that arrived? Under auto
+    (``choice`` given), by expected tokens/s against the backup auto would pick (:meth:`BackupChoice.worth_finishing`)
+    once a build and that backup are measured; otherwise by time alone (``budget``: a
+    :class:`~ssd_eagle.ssd.budget.BuildBudget`, :meth:`~ssd_eagle.ssd.budget.BuildBudget.worth_finishing`)."""
+    if choice is not None and budget.ready():
+        finish = choice.worth_finishing(remaining_s, budget.verify_s, budget.draw_hit_rate(), rows)
+        if finish is not None:
+            return finish
+    return budget.worth_finishing(remaining_s)
+
