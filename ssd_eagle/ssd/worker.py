@@ -101,7 +101,8 @@ def worker_main(settings: SpeculatorSettings, draft, startup_timeout: float = 30
     group = t.pair_group(store, t.SPECULATOR, settings.dist_backend, startup_timeout)
     draft = draft.to(device)
     speculator = build_speculator(settings, draft)
-    channel = t.Channel(group, t.VERIFIER, settings.float_dtype, "cpu" if settings.dist_backend == "gloo" else device)
+    channel = t.Channel(group, t.VERIFIER, settings.float_dtype, "cpu" if settings.dist_backend == "gloo" else device,
+                        spin=t.SPIN_SECONDS if settings.cpus else 0.0)  # (pinned: this core is the speculator's)
     serve(speculator, channel, [])
 
 
@@ -109,7 +110,8 @@ def serve(speculator, channel: t.Channel, intervals: list[float]) -> None:
     """The request loop until SHUTDOWN (also handy to drive from a test); ``intervals`` collects every build's
     wall-clock start and end. The verification time (reply sent -> next PROPOSE arrived, noted by polling between
     the build's forwards) sizes the next builds (:mod:`ssd_eagle.ssd.budget`); a message arriving mid-build stops
-    the build at its next forward, so that it is answered at once."""
+    the build at its next forward, so that it is answered at once. A PROPOSE is answered before anything else: the
+    receive of the verifier's next message is posted once the reply is out (:mod:`ssd_eagle.ssd.transport`)."""
     sent = arrived = None
 
     def poll() -> bool:
@@ -120,7 +122,7 @@ def serve(speculator, channel: t.Channel, intervals: list[float]) -> None:
         return arrived is not None
 
     while True:
-        msg = channel.recv()
+        msg = channel.recv(defer_post=(p.PROPOSE, p.STATS))  # (answered at once)
         if msg.command == p.SHUTDOWN:
             return
         if msg.command != p.PROPOSE:  # the verifier did something else than verify: no verification time
