@@ -1,8 +1,13 @@
 """The verifier's wait on an SSD hit (issue 13 item 2): a hit replies with no draft work at all (the EAGLE-3 fuse of
-the outcome's aux states waits for the build, after the reply); a miss fuses once, then drafts. Greedy output stays
-the target's."""
+the outcome's aux states waits for the build, after the reply), runs no torch op and frees no tensor before the
+reply (the spent speculation cache is freed by the build); a miss fuses once, then drafts. Greedy output stays the
+target's."""
 
 from __future__ import annotations
+
+import weakref
+
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from helpers import random_prompts, reference_greedy
 from ssd_eagle.engine.llm import LLM
@@ -38,3 +43,55 @@ def test_an_eagle3_hit_replies_without_fusing_or_drafting(target_and_head, byte_
     assert work[True] and work[False], "hits and misses must both occur"
     assert set(work[True]) == {(0, 0)}  # a hit: no fuse, no forward before the reply
     assert all(f == 1 and n > 0 for f, n in work[False])  # a miss fuses its features once, then drafts
+
+
+class _CountOps(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+def test_an_eagle3_hit_runs_no_torch_op_and_frees_its_spent_cache_after_the_reply(target_and_head,
+                                                                                    byte_tokenizer):  # noqa: F811
+    target, head = target_and_head
+    engine = eagle_ssd_engine(target, head, byte_tokenizer, max_num_seqs=1)
+    speculator = engine.drafter.speculator.speculator
+    propose, build = speculator.propose, speculator.build
+    hits, spent, freed = [], [], []
+
+    def watching_propose(requests):
+        (req,) = requests
+        seq = speculator.seqs[req.slot]
+        tensors = [(x, weakref.ref(x.hidden)) for x in seq.cache.values() if x.hidden is not None]
+        counter = _CountOps()
+        with counter:
+            replies = propose(requests)
+        tensors = [ref for x, ref in tensors if x is not seq.proposal]  # (the hit's proposal is the next build's)
+        cached = replies[0].cache_hit and req.budget >= speculator.K  # (a shorter budget slices the cached chain)
+        if cached:
+            hits.append(counter.ops)
+        spent.append((tensors, cached))
+        return replies
+
+    def watching_build(*args, **kwargs):  # (an assertion here would only turn the drafter unhealthy: noted)
+        tensors, cached = spent[-1]
+        alive = [ref() is not None for ref in tensors]
+        out = build(*args, **kwargs)
+        freed.append((cached, alive, [ref() is None for ref in tensors]))
+        return out
+
+    speculator.propose, speculator.build = watching_propose, watching_build
+    prompts = [[t % 80 for t in q] for q in random_prompts(3, seed=5)]
+    outs = LLM(engine=engine).generate(prompts, SamplingParams(temperature=0.0, max_tokens=14))
+    for prompt, out in zip(prompts, outs):
+        assert out.token_ids == reference_greedy(target, prompt, 14, eos=set())
+    assert engine.drafter.healthy
+    assert hits, "hits must occur"
+    assert all(ops == [] for ops in hits), [ops for ops in hits if ops]
+    after_hits = [(alive, gone) for cached, alive, gone in freed if cached and alive]
+    assert after_hits and all(all(alive) and all(gone) for alive, gone in after_hits)  # alive for the reply, then
+    # freed by the build

@@ -106,7 +106,10 @@ def encode_propose(requests: list) -> Message:
         ints += [r.slot, r.num_accepted, r.bonus, r.budget]
     for r in requests:
         ints += list(r.accepted or [])
-    floats = torch.cat([a.detach().reshape(-1).cpu() for a in auxes]) if auxes else None
+    floats = None  # (one row's aux goes as it is: the channel copies it into its frame, in the link's dtype)
+    if auxes:
+        floats = auxes[0].detach().reshape(-1) if len(auxes) == 1 else \
+            torch.cat([a.detach().reshape(-1).cpu() for a in auxes])
     return Message(PROPOSE, torch.tensor(ints, dtype=torch.long), floats)
 
 
@@ -131,8 +134,8 @@ def decode_propose(msg: Message) -> list:
 # REPLY
 def encode_reply(proposals: list[Proposal]) -> Message:
     qs = [p.q.reshape(-1, p.q.shape[-1]) for p in proposals if p.q is not None]
-    support = torch.cat(qs).ne(0).any(0).nonzero().view(-1).cpu() if qs else torch.zeros(0, dtype=torch.long)
-    ints = [len(proposals), support.numel(), *support.tolist()]
+    support = torch.cat(qs).ne(0).any(0).nonzero().view(-1).cpu() if qs else None  # (no q: no tensor op at all)
+    ints = [len(proposals), 0] if support is None else [len(proposals), support.numel(), *support.tolist()]
     for p in proposals:
         is_tree = p.parents is not None
         power = None if p.fanout_power is None else round(p.fanout_power * 1e6)
@@ -146,7 +149,7 @@ def decode_reply(msg: Message, vocab_size: int) -> list[Proposal]:
     """``vocab_size``: V, the width of every q row (zeros off the reply's support)."""
     values = msg.ints.tolist()
     n = values[1]
-    support = msg.ints[2: 2 + n].clone()
+    support = msg.ints[2: 2 + n].clone() if n else None
     proposals, cursor, offset = [], 2 + n, 0
     for _ in range(values[0]):
         hit, lookup_k, fanout, power, m, has_q, is_tree = values[cursor: cursor + 7]
@@ -160,7 +163,8 @@ def decode_reply(msg: Message, vocab_size: int) -> list[Proposal]:
         q = None
         if has_q:
             q = msg.floats.new_zeros(m, vocab_size)
-            q[:, support] = msg.floats[offset: offset + m * n].view(m, n)
+            if n:  # (n = 0: every q of the reply has no rows)
+                q[:, support] = msg.floats[offset: offset + m * n].view(m, n)
             offset += m * n
         hit = _as_none(hit)
         power = _as_none(power)

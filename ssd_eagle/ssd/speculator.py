@@ -118,6 +118,7 @@ class Speculator:
         self.budget = BuildBudget()  # caps the branches so that a build fits in one verification
         self._stop = BuildStop()  # when the running build stops early (set by build)
         self._to_build: list[tuple[_Seq, bool]] = []
+        self._spent: list[dict] = []  # the last round's speculation caches, freed by the build (after the reply)
 
     def _set_fanout(self, fanout: list[int], fanout_miss: list[int] | None = None) -> None:
         self.fanout = fanout
@@ -161,14 +162,16 @@ class Speculator:
         kv.fit(max(self.seqs, default=0) + 1, -(-need // 256) * 256, limit=kv.max_len)
 
     # a round
-    @torch.inference_mode()
     def propose(self, requests: list[SpecRequest]) -> list[Proposal]:
         """Commit each row's outcome, answer from the speculation cache or the backup, and remember what to
-        build. Call :meth:`build` after the reply has gone out."""
+        build. Call :meth:`build` after the reply has gone out.
+
+        A hit runs no torch op (no inference-mode switch either) and frees nothing: the spent speculation caches
+        (tensors) are freed by the build, after the reply."""
         replies: list[Proposal | None] = [None] * len(requests)
         lookups: list[dict] = []  # per row, what the reply says of its lookup (none in a sequence's first round)
         misses: list[int] = []
-        self._to_build = []
+        self._to_build, self._spent = [], []
         for i, req in enumerate(requests):
             seq = self.seqs[req.slot]
             hit = self._commit(seq, req) if req.num_accepted >= 0 else None
@@ -178,6 +181,7 @@ class Speculator:
                 replies[i] = self._reply(seq, seq.cache[self._key(seq, req)].cut(req.budget), lookups[i])
             else:
                 misses.append(i)
+            self._spent += (seq.cache, seq.candidates)
             seq.cache, seq.candidates, seq.built, seq.nodes = {}, {}, False, None
             self._to_build.append((seq, hit is False))
         if misses:
@@ -185,7 +189,8 @@ class Speculator:
             rows = [self.seqs[requests[i].slot] for i in misses]
             budgets = [requests[i].budget for i in misses]
             before = time.perf_counter()
-            drafts = self._fast_backup(rows, budgets) if fast else self._neural_backup(rows, budgets)
+            with torch.inference_mode():
+                drafts = self._fast_backup(rows, budgets) if fast else self._neural_backup(rows, budgets)
             if not fast:
                 self.budget.observe_backup(time.perf_counter() - before)
             for i, seq, draft in zip(misses, rows, drafts):
@@ -281,7 +286,7 @@ class Speculator:
         start = time.perf_counter()
         self._stop = BuildStop(poll, deadline)
         rows = [(s, missed) for s, missed in self._to_build if s.slot in self.seqs and s.proposal is not None]
-        self._to_build = []
+        self._to_build, self._spent = [], []
         if self.auto is not None and (fanout := self.auto.refit()) is not None:
             self._set_fanout(fanout, self.fanout_miss if self._own_miss else None)
             self.power = self.stats.fanout_power = self.auto.power
