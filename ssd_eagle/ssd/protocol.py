@@ -113,16 +113,17 @@ def encode_propose(requests: list) -> Message:
     return Message(PROPOSE, torch.tensor(ints, dtype=torch.long), floats)
 
 
-def decode_propose(msg: Message) -> list:
+def decode_propose(msg: Message, aux: bool = True) -> list:
+    """``aux=False``: the rows without their aux states (no tensor op: all a reply needs to be looked up)."""
     from ssd_eagle.ssd.lookup import SpecRequest
 
     values = msg.ints.tolist()
     rows, width = values[:2]
     fields = [values[2 + 4 * i: 6 + 4 * i] for i in range(rows)]
-    cursor, offset, requests = 2 + 4 * rows, 0, []
+    cursor, offset, requests, with_aux = 2 + 4 * rows, 0, [], aux
     for slot, k, bonus, budget in fields:
         aux = None
-        if width and k >= 0:
+        if with_aux and width and k >= 0:
             aux = msg.floats[offset: offset + (k + 1) * width].clone().view(k + 1, width)
             offset += (k + 1) * width
         accepted = values[cursor: cursor + max(k, 0)]

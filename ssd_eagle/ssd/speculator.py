@@ -8,7 +8,8 @@ chain the accepted tokens are ``s_1..s_k``, so the key is the paper's ``(k, bonu
    (a *hit* returns the cached proposal at once, with no draft work: the round is *seeded* from the cache; EAGLE-3's
    fuse of the outcome's aux states waits for the build) and otherwise runs the backup: ``neural`` (the draft drafts
    now, from the fresh target features for EAGLE-3) or ``fast`` (n-gram lookup). A miss in one row never redrafts
-   the others. The reply goes out first.
+   the others. The reply goes out first; a hit runs no torch op before it (the spent cache is freed by the build),
+   and a round whose every row is a plain hit (:meth:`Speculator.peek`) is answered even before it is committed.
 2. ``build`` (while the target verifies that reply): one forward over the uncached committed tokens and the
    proposal's nodes gives the draft distribution after every node u. Outcome "the accepted path ends at u"
    gets the top-F_u tokens there as bonus candidates, excluding u's children (an equal bonus would have been an
@@ -231,11 +232,34 @@ class Speculator:
             self.budget.observe_lookup(hit)
         return hit
 
+    def peek(self, requests: list[SpecRequest]) -> list[Proposal] | None:
+        """The replies :meth:`propose` will return for ``requests`` if every row hits a cached chain that fits its
+        budget and carries no q (greedy): computing them changes nothing and runs no torch op, so the reply can go
+        out before the round's bookkeeping (:func:`ssd_eagle.ssd.worker.serve`). None otherwise."""
+        replies = []
+        for req in requests:
+            seq = self.seqs.get(req.slot)
+            if seq is None or req.num_accepted < 0 or (seq.proposal is None and req.accepted is None):
+                return None
+            cached = seq.cache.get(self._key(seq, req))
+            if cached is None or cached.q is not None or cached.parents is not None or \
+                    len(cached.tokens) > req.budget:
+                return None
+            replies.append(self._reply_copy(cached, {"cache_hit": True, "lookup_k": req.num_accepted,
+                                                     "fanout": len(seq.cache),
+                                                     "fanout_power": self.stats.fanout_power}))
+        return replies
+
     def _reply(self, seq: _Seq, draft: Proposal, lookup: dict) -> Proposal:
-        """Remember ``draft`` as the row's proposal; the reply is a copy without the draft's outputs, with
-        ``lookup``'s fields (cache_hit, lookup_k, fanout, fanout_power; none without a lookup)."""
+        """Remember ``draft`` as the row's proposal; the reply is :meth:`_reply_copy`."""
         seq.proposal, seq.fed = draft, False
         seq.path_base = len(seq.token_ids)
+        return self._reply_copy(draft, lookup)
+
+    @staticmethod
+    def _reply_copy(draft: Proposal, lookup: dict) -> Proposal:
+        """A copy of ``draft`` without the draft's outputs, with ``lookup``'s fields (cache_hit, lookup_k, fanout,
+        fanout_power; none without a lookup)."""
         none = {"cache_hit": None, "lookup_k": None, "fanout": None, "fanout_power": None}
         return replace(draft, tokens=list(draft.tokens), hidden=None, **{**none, **lookup})
 
