@@ -136,6 +136,9 @@ class SlowBuildSpeculator:
     def __init__(self):
         self.budget, self.seqs = BuildBudget(), {}
 
+    def peek(self, requests):
+        return None
+
     def propose(self, requests):
         return [Proposal([]) for _ in requests]
 

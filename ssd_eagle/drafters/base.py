@@ -75,8 +75,11 @@ class Proposal:
         return replace(self, tokens=[], q=None, parents=None, hidden=None)
 
     def cut(self, budget: int) -> Proposal:
-        """At most ``budget`` tokens of a chain; a tree keeps the nodes at depth <= ``budget``."""
+        """At most ``budget`` tokens of a chain (the chain itself when it fits); a tree keeps the nodes at depth <=
+        ``budget``."""
         if self.parents is None:
+            if len(self.tokens) <= budget and all(x is None or x.shape[0] <= budget for x in (self.q, self.hidden)):
+                return self  # (proposals are never modified: the speculator's hit path copies nothing it need not)
             return replace(self, tokens=self.tokens[:budget], q=None if self.q is None else self.q[:budget],
                            hidden=None if self.hidden is None else self.hidden[:budget])
         depth, keep, new_id = [0], [], {0: 0}

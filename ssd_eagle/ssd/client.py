@@ -92,7 +92,7 @@ class SpeculatorLink:
     def propose(self, requests: list[SpecRequest]) -> list[Proposal]:
         self._check_alive()
         self._send(p.encode_propose(requests))
-        msg = self.channel.recv(self.timeout)
+        msg = self.channel.recv(self.timeout, defer_post=(p.REPLY,))  # (the speculator sends nothing unasked)
         if msg.command != p.REPLY:
             raise t.SpeculatorUnavailable(f"the speculator answered command {msg.command} instead of a reply")
         return p.decode_reply(msg, self.vocab_size)
@@ -162,7 +162,9 @@ class RemoteSpeculator(SpeculatorLink):
         self.process.start()
         group = t.pair_group(self.store, t.VERIFIER, settings.dist_backend, startup_timeout)
         device = "cpu" if settings.dist_backend == "gloo" else verifier_device
-        super().__init__(t.Channel(group, t.SPECULATOR, settings.float_dtype, device), settings.vocab_size, timeout)
+        spin = t.SPIN_SECONDS if cpus and settings.cpus else 0.0  # pinned apart: a reply is waited for spinning
+        super().__init__(t.Channel(group, t.SPECULATOR, settings.float_dtype, device, spin=spin), settings.vocab_size,
+                         timeout)
         self.killed_hung: float | None = None  # the heartbeat's age (s) when the watchdog killed the process
         self._stop = threading.Event()
         threading.Thread(target=self._watch, name="speculator-watchdog", daemon=True).start()

@@ -107,20 +107,24 @@ def encode_propose(requests: list) -> Message:
         ints += [r.slot, r.num_accepted, r.bonus, r.budget]
     for r in requests:
         ints += list(r.accepted or [])
-    floats = torch.cat([a.detach().reshape(-1).cpu() for a in auxes]) if auxes else None
+    floats = None  # (one row's aux goes as it is: the channel copies it into its frame, in the link's dtype)
+    if auxes:
+        floats = auxes[0].detach().reshape(-1) if len(auxes) == 1 else \
+            torch.cat([a.detach().reshape(-1).cpu() for a in auxes])
     return Message(PROPOSE, torch.tensor(ints, dtype=torch.long), floats)
 
 
-def decode_propose(msg: Message) -> list:
+def decode_propose(msg: Message, aux: bool = True) -> list:
+    """``aux=False``: the rows without their aux states (no tensor op: all a reply needs to be looked up)."""
     from ssd_eagle.ssd.lookup import SpecRequest
 
     values = msg.ints.tolist()
     rows, width = values[:2]
     fields = [values[2 + 4 * i: 6 + 4 * i] for i in range(rows)]
-    cursor, offset, requests = 2 + 4 * rows, 0, []
+    cursor, offset, requests, with_aux = 2 + 4 * rows, 0, [], aux
     for slot, k, bonus, budget in fields:
         aux = None
-        if width and k >= 0:
+        if with_aux and width and k >= 0:
             aux = msg.floats[offset: offset + (k + 1) * width].clone().view(k + 1, width)
             offset += (k + 1) * width
         accepted = values[cursor: cursor + max(k, 0)]
@@ -132,8 +136,8 @@ def decode_propose(msg: Message) -> list:
 # REPLY
 def encode_reply(proposals: list[Proposal]) -> Message:
     qs = [p.q.reshape(-1, p.q.shape[-1]) for p in proposals if p.q is not None]
-    support = torch.cat(qs).ne(0).any(0).nonzero().view(-1).cpu() if qs else torch.zeros(0, dtype=torch.long)
-    ints = [len(proposals), support.numel(), *support.tolist()]
+    support = torch.cat(qs).ne(0).any(0).nonzero().view(-1).cpu() if qs else None  # (no q: no tensor op at all)
+    ints = [len(proposals), 0] if support is None else [len(proposals), support.numel(), *support.tolist()]
     for p in proposals:
         is_tree = p.parents is not None
         power = None if p.fanout_power is None else round(p.fanout_power * 1e6)
@@ -148,7 +152,7 @@ def decode_reply(msg: Message, vocab_size: int) -> list[Proposal]:
     """``vocab_size``: V, the width of every q row (zeros off the reply's support)."""
     values = msg.ints.tolist()
     n = values[1]
-    support = msg.ints[2: 2 + n].clone()
+    support = msg.ints[2: 2 + n].clone() if n else None
     proposals, cursor, offset = [], 2 + n, 0
     for _ in range(values[0]):
         hit, lookup_k, fanout, power, backup, m, has_q, is_tree = values[cursor: cursor + 8]
@@ -162,7 +166,8 @@ def decode_reply(msg: Message, vocab_size: int) -> list[Proposal]:
         q = None
         if has_q:
             q = msg.floats.new_zeros(m, vocab_size)
-            q[:, support] = msg.floats[offset: offset + m * n].view(m, n)
+            if n:  # (n = 0: every q of the reply has no rows)
+                q[:, support] = msg.floats[offset: offset + m * n].view(m, n)
             offset += m * n
         hit = _as_none(hit)
         power = _as_none(power)

@@ -8,7 +8,8 @@ chain the accepted tokens are ``s_1..s_k``, so the key is the paper's ``(k, bonu
    (a *hit* returns the cached proposal at once, with no draft work: the round is *seeded* from the cache; EAGLE-3's
    fuse of the outcome's aux states waits for the build) and otherwise runs the backup: ``neural`` (the draft drafts
    now, from the fresh target features for EAGLE-3) or ``fast`` (n-gram lookup). A miss in one row never redrafts
-   the others. The reply goes out first.
+   the others. The reply goes out first; a hit runs no torch op before it (the spent cache is freed by the build),
+   and a round whose every row is a plain hit (:meth:`Speculator.peek`) is answered even before it is committed.
 2. ``build`` (while the target verifies that reply): one forward over the uncached committed tokens and the
    proposal's nodes gives the draft distribution after every node u. Outcome "the accepted path ends at u"
    gets the top-F_u tokens there as bonus candidates, excluding u's children (an equal bonus would have been an
@@ -120,6 +121,7 @@ class Speculator:
         self.budget = BuildBudget()  # caps the branches so that a build fits in one verification
         self._stop = BuildStop()  # when the running build stops early (set by build)
         self._to_build: list[tuple[_Seq, bool]] = []
+        self._spent: list[dict] = []  # the last round's speculation caches, freed by the build (after the reply)
 
     def _set_fanout(self, fanout: list[int], fanout_miss: list[int] | None = None) -> None:
         self.fanout = fanout
@@ -163,14 +165,16 @@ class Speculator:
         kv.fit(max(self.seqs, default=0) + 1, -(-need // 256) * 256, limit=kv.max_len)
 
     # a round
-    @torch.inference_mode()
     def propose(self, requests: list[SpecRequest]) -> list[Proposal]:
         """Commit each row's outcome, answer from the speculation cache or the backup, and remember what to
-        build. Call :meth:`build` after the reply has gone out."""
+        build. Call :meth:`build` after the reply has gone out.
+
+        A hit runs no torch op (no inference-mode switch either) and frees nothing: the spent speculation caches
+        (tensors) are freed by the build, after the reply."""
         replies: list[Proposal | None] = [None] * len(requests)
         lookups: list[dict] = []  # per row, what the reply says of its lookup (none in a sequence's first round)
         misses: list[int] = []
-        self._to_build = []
+        self._to_build, self._spent = [], []
         for i, req in enumerate(requests):
             seq = self.seqs[req.slot]
             hit = self._commit(seq, req) if req.num_accepted >= 0 else None
@@ -181,6 +185,7 @@ class Speculator:
                                          req.budget)
             else:
                 misses.append(i)
+            self._spent += (seq.cache, seq.candidates)
             seq.cache, seq.candidates, seq.built, seq.nodes = {}, {}, False, None
             self._to_build.append((seq, hit is False))
         if misses:
@@ -226,15 +231,37 @@ class Speculator:
             self.budget.observe_lookup(hit)
         return hit
 
+    def peek(self, requests: list[SpecRequest]) -> list[Proposal] | None:
+        """The replies :meth:`propose` will return for ``requests`` if every row hits a cached chain that fits its
+        budget and carries no q (greedy): computing them changes nothing and runs no torch op, so the reply can go
+        out before the round's bookkeeping (:func:`ssd_eagle.ssd.worker.serve`). None otherwise."""
+        replies = []
+        for req in requests:
+            seq = self.seqs.get(req.slot)
+            if seq is None or req.num_accepted < 0 or (seq.proposal is None and req.accepted is None):
+                return None
+            cached = seq.cache.get(self._key(seq, req))
+            if cached is None or cached.q is not None or cached.parents is not None or \
+                    len(cached.tokens) > req.budget:
+                return None
+            replies.append(self._reply_copy(cached, {"cache_hit": True, "lookup_k": req.num_accepted,
+                                                     "fanout": len(seq.cache),
+                                                     "fanout_power": self.stats.fanout_power}))
+        return replies
+
     def _reply(self, seq: _Seq, draft: Proposal, lookup: dict, source: str, budget: int) -> Proposal:
         """Remember ``draft`` as the row's proposal, made by ``source`` (hit, neural or fast) for ``budget`` tokens;
-        the reply is a copy without the draft's outputs, with ``lookup``'s fields (cache_hit, lookup_k, fanout,
-        fanout_power; none without a lookup) and, from a backup, the backup's name."""
+        the reply is :meth:`_reply_copy`, naming the backup when one drafted it."""
         seq.proposal, seq.fed, seq.source = draft, False, source if budget > 0 else None
         seq.path_base = len(seq.token_ids)
+        return self._reply_copy(draft, lookup, None if source == "hit" else source)
+
+    @staticmethod
+    def _reply_copy(draft: Proposal, lookup: dict, backup: str | None = None) -> Proposal:
+        """A copy of ``draft`` without the draft's outputs, with ``lookup``'s fields (cache_hit, lookup_k, fanout,
+        fanout_power; none without a lookup) and ``backup``, the backup that drafted it (None: a cache hit)."""
         none = {"cache_hit": None, "lookup_k": None, "fanout": None, "fanout_power": None}
-        return replace(draft, tokens=list(draft.tokens), hidden=None, backup=None if source == "hit" else source,
-                       **{**none, **lookup})
+        return replace(draft, tokens=list(draft.tokens), hidden=None, backup=backup, **{**none, **lookup})
 
     def _fuse(self, seqs: list[_Seq]) -> None:
         """EAGLE-3: fuse the aux states the rows' outcomes brought (``raw``) into their ``pending`` features, all
@@ -292,7 +319,7 @@ class Speculator:
         start = time.perf_counter()
         self._stop = BuildStop(poll, deadline)
         rows = [(s, missed) for s, missed in self._to_build if s.slot in self.seqs and s.proposal is not None]
-        self._to_build = []
+        self._to_build, self._spent = [], []
         if self.auto is not None and (fanout := self.auto.refit()) is not None:
             self._set_fanout(fanout, self.fanout_miss if self._own_miss else None)
             self.power = self.stats.fanout_power = self.auto.power

@@ -20,11 +20,37 @@ round costs one send each way instead of five rendezvous. A message larger than 
 frame and its body in a second send. With NCCL (two GPUs) a receive must match its send's size and a posted receive
 would hold back this rank's sends on the communicator's stream, so there the header and the body travel as two
 sends and nothing is posted in advance.
+
+The round trip of a speculation-cache hit (the verifier's outcome out, the cached proposal back) does no draft work,
+so what it costs is this plumbing, kept lean (issue 13 item 2):
+
+- **Spinning receive.** A process blocked in a receive is woken by gloo's I/O thread through a condition variable;
+  on an idle core (a halted virtual CPU, cold caches) that wake-up alone costs 0.1-1 ms. An end that owns its cores
+  (``spin``: the pinned verifier and speculator, :data:`SPIN_SECONDS`) instead busy-polls the posted frame's version
+  word (zeroed when the receive is posted, nonzero once the message lands) for up to ``spin`` seconds, yielding the
+  core (``sched_yield``) between looks so that the I/O thread filling the frame runs at once, then does the usual
+  blocking wait: it completes the receive (a frame is never read early), reports a broken link, and the rest of
+  ``timeout`` bounds it. A spin that sees nothing only delays that wait, by at most ``spin``. A yield that comes
+  back late (:data:`YIELD_LIMIT`) ran another process on the core: the core is not this end's alone, and yielding
+  on would hand that process the core again and again (a scheduler slice each), so the spin stops and the blocking
+  wait, whose wake-up the scheduler favours, takes over.
+- **No per-message tensors.** A framed message is written into a send frame allocated once (the header through a
+  NumPy view, the ints and the floats by one ``copy_`` each, the floats into the frame's float view) and a received
+  header is read through a NumPy view: no ``torch.tensor`` or ``torch.cat`` per message (each costs tens of
+  microseconds on a cold core). A send has completed when it returns, so one send frame serves every message.
+- **Posting after the answer.** After a message whose command is in ``recv``'s ``defer_post`` (a request this end
+  answers at once, or the answer to its own request: the peer then sends nothing before this end's next send), the
+  next frame's receive is posted by this end's next :meth:`Channel.send`, once that message is out, so the post's
+  system call stays off the round trip. A peer's send issued before the post would wait for it.
 """
 
 from __future__ import annotations
 
 import datetime
+import os
+from collections.abc import Collection
+import threading
+import time
 
 import torch
 import torch.distributed as dist
@@ -33,6 +59,8 @@ from ssd_eagle.ssd.protocol import PROTOCOL_VERSION, Message
 
 HEADER = 4
 VERIFIER, SPECULATOR = 0, 1  # ranks in the pair
+SPIN_SECONDS = 0.1  # how long an end that owns its cores busy-polls a receive before blocking (module docstring)
+YIELD_LIMIT = 1e-4  # a yield of the spin that took longer ran another process: the spin gives way to a blocking wait
 
 
 class SpeculatorUnavailable(RuntimeError):
@@ -81,43 +109,78 @@ class Channel:
         device: where buffers live (the process's device; CPU for gloo, where messages travel framed).
         frame_words: int64 words of a frame (header included; a larger message sends its body apart); both ends
             of a link must use the same.
+        spin: seconds a framed receive busy-polls its frame before the blocking wait (0: never; ignored unframed).
+            Only for an end that owns its cores: the spin keeps its core busy (module docstring).
     """
 
     def __init__(self, group, peer: int, float_dtype: torch.dtype = torch.float32, device="cpu",
-                 frame_words: int = 1 << 18):
+                 frame_words: int = 1 << 18, spin: float = 0.0):
         self.group, self.peer = group, peer
         self.device = device
         self.float_dtype = torch.promote_types(float_dtype, torch.float32)
         self.framed = torch.device(device).type == "cpu"
+        self.spin = spin if self.framed else 0.0
         self.frames = [torch.zeros(frame_words, dtype=torch.long, device=device) for _ in range(2 if self.framed
                                                                                              else 1)]
         self._next = 0  # the frame the next message arrives in
-        self._posted = None  # the posted receive of that frame (framed: always)
+        self._posted = None  # the posted receive of that frame (framed: always, except after a deferred post)
         if self.framed:
+            self._words = [frame.numpy() for frame in self.frames]  # header reads, version-word polls
+            self._floats = [frame.view(self.float_dtype) for frame in self.frames]
+            self._out = torch.zeros(frame_words, dtype=torch.long)  # the send frame
+            self._out_words, self._out_floats = self._out.numpy(), self._out.view(self.float_dtype)
+            self._sending = threading.Lock()  # held while a send uses the send frame
             self.post()
 
     def send(self, msg: Message) -> None:
-        """Send one message (int payloads as int64, floats in ``float_dtype``)."""
+        """Send one message (int payloads as int64, floats in ``float_dtype``). Framed, it then posts the next
+        frame's receive if a ``recv`` left it unposted (``defer_post``)."""
         n_i = 0 if msg.ints is None else msg.ints.numel()
         n_f = 0 if msg.floats is None else msg.floats.numel()
+        if self.framed:
+            per_word = 8 // self.float_dtype.itemsize
+            end = HEADER + n_i + -(-n_f // per_word)
+            if end <= self._out.numel():
+                own = self._sending.acquire(blocking=False)  # (another thread sends: a frame of this send's own)
+                try:
+                    frame = self._out if own else torch.empty(end, dtype=torch.long)
+                    words = self._out_words if own else frame.numpy()
+                    words[:HEADER] = (PROTOCOL_VERSION, msg.command, n_i, n_f)
+                    if n_i:
+                        ints = msg.ints
+                        if ints.device.type == "cpu" and ints.dtype == torch.long:
+                            words[HEADER: HEADER + n_i] = ints.numpy().reshape(-1)  # (no torch op)
+                        else:
+                            frame[HEADER: HEADER + n_i].copy_(ints.reshape(-1))
+                    if n_f:
+                        start = (HEADER + n_i) * per_word
+                        (self._out_floats if own else frame.view(self.float_dtype))[start: start + n_f].copy_(
+                            msg.floats.reshape(-1))
+                    self._send(frame[:end])
+                finally:
+                    if own:
+                        self._sending.release()
+                self.post()
+                return
         header = torch.tensor([PROTOCOL_VERSION, msg.command, n_i, n_f], dtype=torch.long)
-        parts = [header]
-        if n_i:
-            parts.append(msg.ints.reshape(-1).to("cpu", torch.long))
-        if n_f:
-            floats = msg.floats.reshape(-1).to("cpu", self.float_dtype)
-            pad = -floats.numel() % (8 // floats.element_size())
-            parts.append(torch.cat([floats, floats.new_zeros(pad)]).view(torch.long))
-        if self.framed and sum(map(len, parts)) <= self.frames[0].numel():
-            self._send(torch.cat(parts))
-            return
         self._send(header.to(self.device))
-        if len(parts) > 1:
-            self._send(torch.cat(parts[1:]).to(self.device))
+        if n_i or n_f:
+            parts = []
+            if n_i:
+                parts.append(msg.ints.reshape(-1).to("cpu", torch.long))
+            if n_f:
+                floats = msg.floats.reshape(-1).to("cpu", self.float_dtype)
+                pad = -floats.numel() % (8 // floats.element_size())
+                parts.append(torch.cat([floats, floats.new_zeros(pad)]).view(torch.long))
+            self._send(torch.cat(parts).to(self.device))
+        if self.framed:
+            self.post()
 
-    def recv(self, timeout: float | None = None) -> Message:
+    def recv(self, timeout: float | None = None, defer_post: Collection[int] = ()) -> Message:
         """Receive one message. Its payloads may alias internal buffers: copy what must outlive the next receive
-        (the protocol's decoders do).
+        (the protocol's decoders do). Framed, the next frame's receive is posted at once, unless the command is in
+        ``defer_post``: the peer sends nothing before this end's next :meth:`send`, which posts it (module
+        docstring).
 
         Raises:
             SpeculatorUnavailable: nothing arrived within ``timeout`` seconds (None: wait forever), or the link
@@ -125,20 +188,29 @@ class Channel:
             ProtocolMismatch: the peer's header carries another protocol version.
         """
         self.post()
+        if self.spin > 0:
+            timeout = self._spin(timeout)
         frame = self.frames[self._next]
         self._recv_into(frame, timeout, self._posted)  # (a receive that timed out stays posted)
         self._posted = None
-        version, command, n_i, n_f = frame[:HEADER].tolist()
+        version, command, n_i, n_f = (self._words[self._next] if self.framed else frame)[:HEADER].tolist()
         if version != PROTOCOL_VERSION:
             raise ProtocolMismatch(f"the peer speaks SSD protocol version {version}, this side {PROTOCOL_VERSION}")
-        words = n_i + -(-n_f * self.float_dtype.itemsize // 8)
+        per_word = 8 // self.float_dtype.itemsize
+        words = n_i + -(-n_f // per_word)
+        if self.framed and HEADER + words <= frame.numel():  # the whole message is in the frame
+            start = (HEADER + n_i) * per_word
+            msg = Message(command, frame[HEADER: HEADER + n_i], self._floats[self._next][start: start + n_f])
+            self._next ^= 1  # the peer's next message may come at once: its frame's receive is posted now (or by
+            if command not in defer_post:  # this end's next send, which the peer waits for)
+                self.post()
+            return msg
         body = frame[HEADER: HEADER + words]
-        if not self.framed or HEADER + words > frame.numel():  # the body comes in a send of its own
-            if body.numel() < words:
-                body = torch.empty(words, dtype=torch.long, device=self.device)
-            if words:
-                self._recv_into(body, timeout)
-        if self.framed:  # the peer's next message may come at once: its frame's receive is posted now
+        if body.numel() < words:  # the body comes in a send of its own
+            body = torch.empty(words, dtype=torch.long, device=self.device)
+        if words:
+            self._recv_into(body, timeout)
+        if self.framed:
             self._next ^= 1
             self.post()
         return Message(command, body[:n_i], body[n_i:].view(self.float_dtype)[:n_f])
@@ -147,7 +219,10 @@ class Channel:
         """Post the receive of the next message's frame (its header only with NCCL), if not posted yet."""
         if self._posted is None:
             frame = self.frames[self._next]
-            frame[0] = 0  # poll() reads the version word
+            if self.framed:
+                self._words[self._next][0] = 0  # poll() and the spin read the version word
+            else:
+                frame[0] = 0
             self._posted = self.group.recv([frame if self.framed else frame[:HEADER]], self.peer, 0)
 
     def poll(self) -> bool:
@@ -155,8 +230,25 @@ class Channel:
         timing hint only: gloo marks a receive complete only once waited on, so on CPUs the frame, whose version
         word is zeroed when its receive is posted, is read for the (nonzero) protocol version."""
         self.post()
-        frame = self.frames[self._next]
-        return self._posted.is_completed() or (frame.device.type == "cpu" and bool(frame[0]))
+        return self._posted.is_completed() or (self.framed and bool(self._words[self._next][0]))
+
+    def _spin(self, timeout: float | None) -> float | None:
+        """Busy-poll the posted frame's version word for up to ``spin`` seconds (within ``timeout``); returns what
+        is left of ``timeout`` for the blocking wait that completes the receive."""
+        word = self._words[self._next]
+        start = now = time.perf_counter()
+        end = start + (self.spin if timeout is None else min(self.spin, timeout))
+        while not word[0] and now < end:
+            os.sched_yield()  # the I/O thread that fills the frame shares this core
+            before, now = now, time.perf_counter()
+            if now - before > YIELD_LIMIT and not word[0]:  # the core went to another process: it is not ours alone
+                break
+        if timeout is None:
+            return None
+        left = timeout - (time.perf_counter() - start)
+        if left < 1e-3 and not word[0]:  # (a wait of under a millisecond would be a wait without a timeout)
+            raise SpeculatorUnavailable(f"no message from the peer within {timeout:.1f} s")
+        return max(left, 1e-3)
 
     def _send(self, tensor: torch.Tensor) -> None:
         self.group.send([tensor], self.peer, 0).wait()

@@ -101,7 +101,8 @@ def worker_main(settings: SpeculatorSettings, draft, startup_timeout: float = 30
     group = t.pair_group(store, t.SPECULATOR, settings.dist_backend, startup_timeout)
     draft = draft.to(device)
     speculator = build_speculator(settings, draft)
-    channel = t.Channel(group, t.VERIFIER, settings.float_dtype, "cpu" if settings.dist_backend == "gloo" else device)
+    channel = t.Channel(group, t.VERIFIER, settings.float_dtype, "cpu" if settings.dist_backend == "gloo" else device,
+                        spin=t.SPIN_SECONDS if settings.cpus else 0.0)  # (pinned: this core is the speculator's)
     serve(speculator, channel, [])
 
 
@@ -109,7 +110,13 @@ def serve(speculator, channel: t.Channel, intervals: list[float]) -> None:
     """The request loop until SHUTDOWN (also handy to drive from a test); ``intervals`` collects every build's
     wall-clock start and end. The verification time (reply sent -> next PROPOSE arrived, noted by polling between
     the build's forwards) sizes the next builds (:mod:`ssd_eagle.ssd.budget`); a message arriving mid-build stops
-    the build at its next forward, so that it is answered at once."""
+    the build at its next forward, so that it is answered at once.
+
+    A PROPOSE is answered before anything else. When every row hits a cached chain that needs no work
+    (:meth:`~ssd_eagle.ssd.speculator.Speculator.peek`: greedy, within its budget) the reply goes out even before
+    the round is committed (aux states copied, statistics, the sequences' state), which ``propose`` then does and
+    whose replies are the same; and the receive of the verifier's next message is posted only once the reply is
+    out (:mod:`ssd_eagle.ssd.transport`)."""
     sent = arrived = None
 
     def poll() -> bool:
@@ -120,7 +127,7 @@ def serve(speculator, channel: t.Channel, intervals: list[float]) -> None:
         return arrived is not None
 
     while True:
-        msg = channel.recv()
+        msg = channel.recv(defer_post=(p.PROPOSE, p.STATS))  # (answered at once)
         if msg.command == p.SHUTDOWN:
             return
         if msg.command != p.PROPOSE:  # the verifier did something else than verify: no verification time
@@ -135,13 +142,21 @@ def serve(speculator, channel: t.Channel, intervals: list[float]) -> None:
         elif msg.command == p.PROPOSE:
             if sent is not None:
                 speculator.budget.observe_verify((arrived or time.perf_counter()) - sent)
+            early = None
             try:
-                replies = speculator.propose(p.decode_propose(msg))
+                early = speculator.peek(p.decode_propose(msg, aux=False))
+                if early is not None:
+                    channel.send(p.encode_reply(early))
+                    sent = time.perf_counter()
+                replies = speculator.propose(p.decode_propose(msg))  # (after an early reply: the same replies)
             except Exception:  # noqa: BLE001 - the verifier must hear back, whatever broke
-                channel.send(p.Message(p.ERROR))
+                if early is None:
+                    channel.send(p.Message(p.ERROR))
                 raise
-            channel.send(p.encode_reply(replies))
-            sent, arrived = time.perf_counter(), None
+            if early is None:
+                channel.send(p.encode_reply(replies))
+                sent = time.perf_counter()
+            arrived = None
             start = time.time()
             try:
                 speculator.build(poll)
