@@ -239,12 +239,15 @@ class Trainer:
             head = Eagle3DraftModel(config, attn_implementation=cfg.attn_implementation).to(self.dtype)
             head.set_vocab_mapping(d2t, t2d)
             head.set_embeddings(self.target_embed)  # a head of another width keeps its own table
-            if config.owns_embeddings and not self.snapshot:  # resume: the table comes with the checkpoint
-                head.project_target_embeddings(self.target_embed.weight)
-            if cfg.init_from and not self.snapshot:  # a resume's weights come with its checkpoint
-                head.load_state_dict(start.state_dict())
-            elif cfg.head_init == "target" and not self.snapshot:
-                head.init_output_from_target(self.lm_head_weight, self.target.get_decoder().norm.weight)
+            if self.snapshot:
+                pass  # a resume's weights (and a narrow head's table) come with its checkpoint
+            elif cfg.init_from:
+                head.load_state_dict(start.state_dict())  # the export's table too: no projection to redo
+            else:
+                if config.owns_embeddings:
+                    head.project_target_embeddings(self.target_embed.weight)
+                if cfg.head_init == "target":
+                    head.init_output_from_target(self.lm_head_weight, self.target.get_decoder().norm.weight)
             head.to(self.device)
             self.head = head
             return Eagle3Trainable(head, cfg.ttt_steps, cfg.ttt_decay, saguaro)
