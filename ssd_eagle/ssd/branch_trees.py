@@ -1,5 +1,6 @@
 """Trees in SSD: the outcomes of a proposal, where verification lands on them, the fan-out over tree nodes, and
-the branch trees drafted for every predicted outcome (SSD paper, Sec. 4.1, written per node for trees).
+the branches (chains or trees) drafted for every predicted outcome (SSD paper, Sec. 4.1, written per node for
+trees).
 
 An outcome of verifying a proposal is a node u (the accepted path ends there; 0 = the root) and a bonus token b.
 A node is named by its *rank path*: the rank among its siblings of every node on the path to it (siblings are
@@ -42,7 +43,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ssd_eagle.drafters.base import Proposal
+from ssd_eagle.drafters.base import Proposal, SaguaroSampling
+from ssd_eagle.drafters.chain import draft_chain
 from ssd_eagle.drafters.tree import TreeSettings, grow_trees
 
 
@@ -222,6 +224,45 @@ def outcome_branches(nodes: NodeLayout, ranked: list[list[int]], fan: list[int],
             branches.append({"key": (nodes.path[u], t), "token": t, "rank": rank, "depth": nodes.depth[u],
                              "visible": anc[u], "feature": None if hidden is None else hidden[u]})
     return branches, candidates
+
+
+def draft_branch_chains(backend, seqs: list, branches: list[list[dict]], depth: int, min_width: int = 1,
+                        saguaro: SaguaroSampling | None = None, check=None) -> list[list[Proposal]]:
+    """``depth`` (<= K) drafted tokens for every branch: that many tree-masked forwards over all branches of all
+    rows at once. Branch i of row r writes its root at cache position ``region_r + i`` and its token of chain index
+    j at ``region_r + (j + 1) * F + i`` (:func:`branch_batch`); it sees the committed text, the path to its node
+    and its own writes.
+
+    Args:
+        seqs, branches, min_width: as in :func:`branch_batch`; depth: tokens per chain.
+        saguaro: the sampling the chains are drawn with (None: plain); check: called before every draft forward
+            (it raises to stop the build).
+
+    Returns:
+        per row, one chain :class:`~ssd_eagle.drafters.base.Proposal` per branch of ``branches``.
+    """
+    tokens, positions, base, feats, region, F = branch_batch(backend, seqs, branches, min_width)
+    B = len(seqs)
+    slots = [s.slot for s in seqs]
+    branch_idx = torch.arange(F)[None, :]
+
+    def feed(rows, toks: torch.Tensor, hidden: torch.Tensor | None, index: int):
+        """The draft_chain feed over all B * F branches: their tokens of chain index ``index`` (-1: the roots)."""
+        if check is not None:
+            check()
+        write = region + (index + 1) * F + branch_idx  # [B, F]
+        cols = torch.arange(max(int(write.max()) + 1, base.shape[-1]))[None, None, :]
+        visible = (cols >= region[..., None]) & ((cols - region[..., None]) % F == branch_idx[..., None]) & \
+            (cols <= write[..., None])
+        visible[..., : base.shape[-1]] |= base
+        logits, out = backend.step(slots, toks.view(B, F).cpu(), positions + index + 1, write, visible,
+                                   None if hidden is None else hidden.view(B, F, -1))
+        return logits.reshape(B * F, -1), (out.reshape(B * F, -1) if out is not None else None)
+
+    logits, hidden = feed(None, tokens, feats, -1)
+    rows = [seq if i < len(row) else None for seq, row in zip(seqs, branches) for i in range(F)]  # None: pad
+    chains = draft_chain(feed, logits, hidden, rows, [depth] * (B * F), saguaro)
+    return [chains[r * F: r * F + len(row)] for r, row in enumerate(branches)]
 
 
 def draft_branch_trees(backend, slots: list[int], tokens: torch.Tensor, positions: torch.Tensor,

@@ -22,7 +22,7 @@ chain the accepted tokens are ``s_1..s_k``, so the key is the paper's ``(k, bonu
 
 Fan-out: chains use F_0..F_K by depth (uniform or geometric, :mod:`ssd_eagle.ssd.fanout`); trees spread the budget
 B over nodes by the measured P(the outcome lands at u) x P(bonus rank f there) (:mod:`ssd_eagle.ssd.branch_trees`,
-which also drafts the branch trees).
+which also drafts the branches: chains and trees).
 
 Every proposal, cached or backup, carries the q it was sampled from (None for greedy rows, trees and n-gram
 proposals, which are deterministic), so the verifier's test keeps the output law the target's at any temperature,
@@ -38,15 +38,15 @@ import torch
 
 from ssd_eagle.drafters.backends import DraftBackend
 from ssd_eagle.drafters.base import Proposal, SaguaroSampling
-from ssd_eagle.drafters.chain import draft_chain
 from ssd_eagle.drafters.neural import draft_from_committed
 from ssd_eagle.drafters.ngram import NgramDrafter
 from ssd_eagle.drafters.tree import TreeSettings
 from ssd_eagle.kv_cache import ForwardBatch
 from ssd_eagle.sampling_params import SamplingParams
 from ssd_eagle.ssd.backup import BackupChoice, worth_finishing
-from ssd_eagle.ssd.branch_trees import (NodeHitTable, NodeLayout, branch_batch, draft_branch_trees,
-                                        draft_land_probabilities, outcome_branches, ranked_candidates, tree_fanout)
+from ssd_eagle.ssd.branch_trees import (NodeHitTable, NodeLayout, branch_batch, draft_branch_chains,
+                                        draft_branch_trees, draft_land_probabilities, outcome_branches,
+                                        ranked_candidates, tree_fanout)
 from ssd_eagle.ssd.budget import BuildBudget, BuildInterrupted, BuildStop
 from ssd_eagle.ssd.fanout import AutoFanout
 from ssd_eagle.ssd.lookup import SpecRequest, SpeculatorStats
@@ -370,7 +370,10 @@ class Speculator:
                 if self.tree is not None:
                     self._draft_branch_trees(seqs, branches)
                 else:
-                    self._draft_branch_chains(seqs, branches, steps)
+                    chains = draft_branch_chains(self.backend, seqs, branches, steps, self._pad_width(), self.saguaro,
+                                                 self._stop.check)
+                    for seq, row, row_chains in zip(seqs, branches, chains):
+                        seq.cache.update((br["key"], chain) for br, chain in zip(row, row_chains))
                 complete = True
             finally:
                 self.budget.observe_build(fixed, n, self.backend.forwards - before, time.perf_counter() - start - fixed,
@@ -431,35 +434,6 @@ class Speculator:
         """Fewest branches per row in a build's forwards: the fan-out budget in padded fixed shapes, else 1."""
         pads = self.backend.static is not None and self.backend.static.pads
         return max(sum(self.fanout), sum(self.fanout_miss)) if pads else 1
-
-    def _draft_branch_chains(self, seqs: list[_Seq], branches: list[list[dict]], depth: int) -> None:
-        """``depth`` (<= K) tokens for every branch: that many tree-masked forwards over all branches of all rows at
-        once (``BuildBudget.chain_depth`` sizes it to the verification). Branch i of
-        row r writes its root at cache position ``region_r + i`` and its token of chain index j at
-        ``region_r + (j + 1) * F + i``; it sees the committed text, the path to its node and its own writes."""
-        tokens, positions, base, feats, region, F = branch_batch(self.backend, seqs, branches, self._pad_width())
-        B = len(seqs)
-        slots = [s.slot for s in seqs]
-        branch_idx = torch.arange(F)[None, :]
-
-        def feed(rows, toks: torch.Tensor, hidden: torch.Tensor | None, index: int):
-            """The draft_chain feed over all B * F branches: their tokens of chain index ``index`` (-1: the roots)."""
-            self._stop.check()
-            write = region + (index + 1) * F + branch_idx  # [B, F]
-            cols = torch.arange(max(int(write.max()) + 1, base.shape[-1]))[None, None, :]
-            visible = (cols >= region[..., None]) & ((cols - region[..., None]) % F == branch_idx[..., None]) & \
-                (cols <= write[..., None])
-            visible[..., : base.shape[-1]] |= base
-            logits, out = self.backend.step(slots, toks.view(B, F).cpu(), positions + index + 1, write, visible,
-                                            None if hidden is None else hidden.view(B, F, -1))
-            return logits.reshape(B * F, -1), (out.reshape(B * F, -1) if out is not None else None)
-
-        logits, hidden = feed(None, tokens, feats, -1)
-        rows = [seq if i < len(row) else None for seq, row in zip(seqs, branches) for i in range(F)]  # None: pad
-        chains = draft_chain(feed, logits, hidden, rows, [depth] * (B * F), self.saguaro)
-        for r, (seq, row) in enumerate(zip(seqs, branches)):
-            for i, br in enumerate(row):
-                seq.cache[br["key"]] = chains[r * F + i]
 
     def _draft_branch_trees(self, seqs: list[_Seq], branches: list[list[dict]]) -> None:
         """Trees grown from every branch root (:func:`~ssd_eagle.ssd.branch_trees.draft_branch_trees`); a build due
