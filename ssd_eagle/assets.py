@@ -117,29 +117,39 @@ def resolve_model_path(name: str) -> str:
 
 
 @contextmanager
-def _progress_bars(shown: bool):
-    """transformers' and the hub's progress bars ("Loading weights", downloads) off inside the block unless
-    ``shown`` (then as they were); the previous setting is restored."""
+def progress_bars(shown: bool):
+    """transformers', the hub's and datasets' progress bars ("Loading weights", downloads, "Generating train
+    split") off inside the block unless ``shown``; each library's previous setting is restored."""
+    import datasets
     from huggingface_hub import utils as hub_utils
     from transformers.utils import logging as hf_logging
 
-    if shown or not hf_logging.is_progress_bar_enabled():
+    if shown:
         yield
         return
+    transformers_on = hf_logging.is_progress_bar_enabled()
     hub_off = hub_utils.are_progress_bars_disabled()
+    datasets_on = datasets.is_progress_bar_enabled()
     hf_logging.disable_progress_bar()  # (the hub's too)
+    datasets.disable_progress_bars()
     try:
         yield
     finally:
-        hf_logging.enable_progress_bar()  # (the hub's too, unless they were off before)
+        if transformers_on:
+            hf_logging.enable_progress_bar()  # (the hub's too, unless they were off before)
         if hub_off:
             hub_utils.disable_progress_bars()
+        elif not transformers_on:
+            hub_utils.enable_progress_bars()
+        if datasets_on:
+            datasets.enable_progress_bars()
 
 
 def load_model(name: str, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
                progress: bool = True):
     """Load ``(model, tokenizer)`` for a causal LM: local folder, packaged alias or hub id. ``progress=False``
-    hides transformers' "Loading weights" (and download) bars during this load (a caller's ``--no-progress``).
+    hides transformers' "Loading weights" (and download) bars during this load (a caller's ``--no-progress``;
+    :func:`progress_bars`).
 
     Raises:
         FileNotFoundError: the model cannot be found locally and cannot be downloaded (offline); the message names
@@ -149,7 +159,7 @@ def load_model(name: str, dtype: torch.dtype = torch.float32, device: str | torc
 
     path = resolve_model_path(name)
     try:
-        with _progress_bars(progress):
+        with progress_bars(progress):
             tokenizer = AutoTokenizer.from_pretrained(path)
             model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
     except OSError as err:

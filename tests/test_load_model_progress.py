@@ -26,3 +26,17 @@ def test_a_load_leaves_both_progress_settings_as_they_were(transformers_on, hub_
         load_model(str(tmp_path / "missing"), progress=progress)  # the load raises inside the block
     assert hf_logging.is_progress_bar_enabled() is transformers_on
     assert hub_utils.are_progress_bars_disabled() is not hub_on
+
+
+def test_no_progress_data_load_hides_datasets_bars_and_restores_them(tmp_path, capsys):
+    import datasets
+
+    from train.conversations import load_conversations
+
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text('{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}\n')
+    datasets.enable_progress_bars()
+    convs = load_conversations(rows, progress=False)
+    assert [m["content"] for m in convs[0]["messages"]] == ["hi", "yo"]
+    assert "Generating train split" not in capsys.readouterr().err
+    assert datasets.is_progress_bar_enabled()

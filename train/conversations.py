@@ -123,7 +123,7 @@ def _json_files(folder: Path) -> list[str]:
 
 
 def load_rows(source: str | os.PathLike, *, split: str = "train", field: str | None = None,
-              local_only: bool = True) -> list[tuple[str, Any]]:
+              local_only: bool = True, progress: bool = True) -> list[tuple[str, Any]]:
     """Load raw rows with the ``datasets`` library.
 
     Each local file is loaded on its own (``datasets`` cannot merge files whose rows have different fields).
@@ -134,6 +134,7 @@ def load_rows(source: str | os.PathLike, *, split: str = "train", field: str | N
         split: split of a hub dataset (local files always load as one split).
         field: for JSON files whose rows sit under a top-level key.
         local_only: hub datasets are read from the local cache only (no download).
+        progress: False hides datasets' "Generating train split" bars (a caller's ``--no-progress``).
 
     Returns:
         ``[(name, datasets.Dataset), ...]``: one entry per file (``name`` = the file path) or one for the hub id.
@@ -143,14 +144,17 @@ def load_rows(source: str | os.PathLike, *, split: str = "train", field: str | N
     """
     import datasets
 
+    from ssd_eagle.assets import progress_bars
+
     path = Path(source)
     if path.is_dir() or path.is_file():
         files = _json_files(path) if path.is_dir() else [str(path)]
         kwargs = {"field": field} if field else {}
-        return [(f, datasets.load_dataset("json", data_files=f, split="train", **kwargs)) for f in files]
+        with progress_bars(progress):
+            return [(f, datasets.load_dataset("json", data_files=f, split="train", **kwargs)) for f in files]
     context = _hub_offline() if local_only else contextlib.nullcontext()
     try:
-        with context:
+        with context, progress_bars(progress):
             return [(str(source), datasets.load_dataset(str(source), split=split))]
     except (ConnectionError, FileNotFoundError, OSError) as err:
         where = "in the local Hugging Face cache" if local_only else "locally or on the hub"
@@ -160,13 +164,14 @@ def load_rows(source: str | os.PathLike, *, split: str = "train", field: str | N
 
 
 def load_conversations(source: str | os.PathLike | Iterable[dict], *, split: str = "train",
-                       field: str | None = None, local_only: bool = True, limit: int | None = None) -> list[dict]:
+                       field: str | None = None, local_only: bool = True, limit: int | None = None,
+                       progress: bool = True) -> list[dict]:
     """Load conversations and normalise them to ``messages`` lists.
 
     Args:
         source: a JSON/JSONL file or folder, a hub dataset id (local cache only unless ``local_only=False``), or an
             iterable of rows (dicts, e.g. a ``datasets.Dataset``).
-        split, field, local_only: see :func:`load_rows`.
+        split, field, local_only, progress: see :func:`load_rows`.
         limit: keep only the first ``limit`` rows (over all files).
 
     Returns:
@@ -179,7 +184,7 @@ def load_conversations(source: str | os.PathLike | Iterable[dict], *, split: str
         FileNotFoundError: see :func:`load_rows`.
     """
     if isinstance(source, (str, os.PathLike)):
-        parts = load_rows(source, split=split, field=field, local_only=local_only)
+        parts = load_rows(source, split=split, field=field, local_only=local_only, progress=progress)
         labelled = len(parts) > 1 or Path(source).exists()
     else:
         parts, labelled = [("", source)], False

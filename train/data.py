@@ -254,7 +254,7 @@ def build_dataset(source, tokenizer, *, max_length: int = DEFAULT_MAX_LENGTH, ra
         conversations = [{"id": str(i), "messages": normalize_conversation({"messages": m}, i)}
                          for i, m in enumerate(source)]
     else:
-        conversations = load_conversations(source, split=split, local_only=local_only)
+        conversations = load_conversations(source, split=split, local_only=local_only, progress=progress)
     if check_heldout:
         assert_no_heldout([c["messages"] for c in conversations])
     stats = MaskStats(max_length=max_length)

@@ -72,7 +72,7 @@ def load_feature_source(cfg: TrainConfig, text_config, feature_target: Callable[
 
         if not cfg.data:
             raise ValueError("online mode needs data (training conversations)")
-        convs = load_conversations(cfg.data, limit=cfg.data_limit)
+        convs = load_conversations(cfg.data, limit=cfg.data_limit, progress=cfg.progress and rank == 0)
         dataset, stats = build_dataset([c["messages"] for c in convs], tokenizer, max_length=cfg.max_length,
                                        rank=rank, world_size=world, shuffle_seed=cfg.seed,
                                        check_heldout=cfg.check_heldout, progress=cfg.progress and rank == 0)
@@ -90,7 +90,8 @@ def load_feature_source(cfg: TrainConfig, text_config, feature_target: Callable[
         key = feature_key(cfg, text_config)
         store = FeatureStore(cfg.features_dir, matching=key)
         if cfg.data:  # train on exactly the conversations of the data file, all of which must have features
-            keys = [conversation_key(c["messages"]) for c in load_conversations(cfg.data, limit=cfg.data_limit)]
+            keys = [conversation_key(c["messages"]) for c in load_conversations(
+                cfg.data, limit=cfg.data_limit, progress=cfg.progress and rank == 0)]
             missing = set(keys) - store.keys - store.dropped
             if missing:
                 raise ValueError(f"{len(missing)} of the {len(keys)} conversations of {cfg.data} have no features "
@@ -121,7 +122,7 @@ def _heldout_features(cfg: TrainConfig, feature_target, tokenizer, aux_layer_ids
     from train.data import build_dataset, load_conversations
     from train.features import TargetFeatureExtractor
 
-    convs = load_conversations(cfg.heldout_data, limit=cfg.heldout_samples)
+    convs = load_conversations(cfg.heldout_data, limit=cfg.heldout_samples, progress=False)
     dataset, _ = build_dataset([c["messages"] for c in convs], tokenizer, max_length=cfg.max_length,
                                shuffle_seed=None, check_heldout=False, progress=False)
     extractor = extractor or TargetFeatureExtractor(feature_target(), aux_layer_ids, 1, cfg.max_length)

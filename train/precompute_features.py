@@ -86,7 +86,7 @@ def missing_conversations(cfg: TrainConfig, key: dict) -> tuple[int, list[dict]]
 
     if not cfg.features_dir or not cfg.data:
         raise ValueError("precomputing features needs features_dir and data in the config")
-    convs = load_conversations(cfg.data, limit=cfg.data_limit)
+    convs = load_conversations(cfg.data, limit=cfg.data_limit, progress=cfg.progress)
     try:
         store = FeatureStore(cfg.features_dir, matching=key)
         done = store.keys | store.dropped
