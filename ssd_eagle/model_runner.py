@@ -30,6 +30,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import sdpa_mask
 
 from ssd_eagle.kv_cache import ForwardBatch, KVCache
+from ssd_eagle.sampling import upcast_logits
 
 RAGGED_ATTENTION = "ssd_eagle_ragged_sdpa"
 RAGGED_MIN_PADDING = 0.2  # share of a padded batch's attention that is padding before rows attend one by one
@@ -106,7 +107,8 @@ class RunnerOutput:
     """What one forward returns.
 
     Attributes:
-        logits: float [B, m, V] at the requested positions (m = n when all were requested).
+        logits: float32 (float64 for a float64 model) [B, m, V] at the requested positions (m = n when all were
+            requested; :func:`~ssd_eagle.sampling.upcast_logits`).
         aux_hidden: float [B, n, 3 * H] (low, mid, high concatenated) or None when not requested.
         hidden: float [B, n, H], the body's final-normed hidden states.
     """
@@ -209,5 +211,5 @@ class ModelRunner:
         if compute_logits:
             selected = hidden if logits_index is None else hidden.gather(
                 1, logits_index[..., None].expand(-1, -1, hidden.shape[-1]))
-            logits = self.lm_head(selected)
+            logits = upcast_logits(self.lm_head(selected))
         return RunnerOutput(logits=logits, aux_hidden=aux, hidden=hidden)

