@@ -268,3 +268,18 @@ def test_eager_fixed_shapes_keep_a_bounded_set_of_buffers():
         static(ForwardBatch.causal([[3]], [0], [start], torch.float64, "cpu"))
     assert len(static._buffers) == EAGER_BUFFERS
     assert next(reversed(static._buffers)) == (1, 1, 1600, 0), "the latest shape is kept"
+
+
+@pytest.mark.parametrize("tree", [None, TreeSettings(6, K, 2)], ids=["chain", "tree"])
+def test_a_backup_draft_outside_inference_mode_reuses_buffers_a_build_made_inside(tree, models):
+    """The SSD worker drafts its neural backup outside inference mode, after builds (in inference mode) made the
+    fixed-shape buffers: inference tensors, which an in-place fill outside inference mode may not touch. Regression:
+    a tree backup crashed the speculator process with "Inplace update to inference tensor outside InferenceMode"."""
+    _, fixed, pending = backend_pair(models, "eagle3")
+    seqs = [SimpleNamespace(slot=s, token_ids=p, params=SamplingParams(temperature=0.0),
+                            draft_generator=torch.Generator().manual_seed(s)) for s, p in PROMPTS.items()]
+    args = (fixed, seqs, [len(p) - 1 for p in PROMPTS.values()], [pending[s] for s in PROMPTS], [K] * len(seqs))
+    with torch.inference_mode():
+        first = draft_from_committed(*args, tree=tree)
+    again = draft_from_committed(*args, tree=tree)
+    assert [p.tokens for p in again] == [p.tokens for p in first]

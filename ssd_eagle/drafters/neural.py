@@ -41,6 +41,7 @@ from ssd_eagle.drafters.tree import TreeSettings, grow_after_committed
 from ssd_eagle.kv_cache import DraftKV
 
 
+@torch.inference_mode()  # (the SSD backup calls it outside any: fixed-shape buffers are inference tensors)
 def draft_from_committed(backend: DraftBackend, seqs: list, num_cached: list[int], pending: list, budgets: list[int],
                          saguaro: SaguaroSampling | None = None, tree: TreeSettings | None = None) -> list[Proposal]:
     """Draft after each row's committed text: one :meth:`~DraftBackend.extend` over its uncached committed tokens
