@@ -136,11 +136,8 @@ def progress_bars(shown: bool):
         yield
     finally:
         if transformers_on:
-            hf_logging.enable_progress_bar()  # (the hub's too, unless they were off before)
-        if hub_off:
-            hub_utils.disable_progress_bars()
-        elif not transformers_on:
-            hub_utils.enable_progress_bars()
+            hf_logging.enable_progress_bar()  # (turns the hub's on too)
+        (hub_utils.disable_progress_bars if hub_off else hub_utils.enable_progress_bars)()
         if datasets_on:
             datasets.enable_progress_bars()
 
