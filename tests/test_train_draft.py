@@ -344,6 +344,19 @@ def test_vocab_mapping_kept_on_resume(tiny_setup, tmp_path):
     assert state["step"] == 3 and state["micro_step"] == 3
 
 
+
+def test_resume_keeps_the_zero_stage_it_was_written_with(tiny_setup, tmp_path):
+    """A ZeRO-2 run resumes under ZeRO-2; under the stage-0 default it stops with an error naming both stages
+    (DeepSpeed's optimizer partitions differ per stage) and the checkpoint is left as it was."""
+    out, zero2 = tmp_path / "run", str(REPO / "configs" / "ds_zero2.json")
+    run_trainer(**tiny_config(tiny_setup, out, max_steps=2, save_every=2, eval_every=0, deepspeed_config=zero2))
+    with pytest.raises(ValueError, match="ZeRO stage 2.*is stage 0"):
+        run_trainer(**tiny_config(tiny_setup, out, max_steps=3, save_every=3, eval_every=0))
+    assert (out / "checkpoints" / "latest").read_text().strip() == "step-00000002"
+    resumed, _ = run_trainer(**tiny_config(tiny_setup, out, max_steps=3, save_every=3, eval_every=0,
+                                           deepspeed_config=zero2))
+    assert resumed.state["step"] == 3
+
 def test_aux_ids_fed_in_training_equal_serving(tiny_setup, tmp_path):
     from ssd_eagle.drafters.eagle3 import Eagle3Drafter
     from ssd_eagle.engine.llm_engine import LLMEngine
