@@ -346,15 +346,15 @@ def test_vocab_mapping_kept_on_resume(tiny_setup, tmp_path):
 
 
 def test_resume_keeps_the_zero_stage_it_was_written_with(tiny_setup, tmp_path):
-    """A ZeRO-2 run resumes under ZeRO-2; under the stage-0 default it stops with an error naming both stages
-    (DeepSpeed's optimizer partitions differ per stage) and the checkpoint is left as it was."""
-    out, zero2 = tmp_path / "run", str(REPO / "configs" / "ds_zero2.json")
-    run_trainer(**tiny_config(tiny_setup, out, max_steps=2, save_every=2, eval_every=0, deepspeed_config=zero2))
-    with pytest.raises(ValueError, match="ZeRO stage 2.*is stage 0"):
-        run_trainer(**tiny_config(tiny_setup, out, max_steps=3, save_every=3, eval_every=0))
+    """A ZeRO-2 run resumes under ZeRO-2; under ZeRO-3 it stops with an error naming both stages (DeepSpeed's
+    partitions differ per stage) and the checkpoint is left as it was."""
+    out = tmp_path / "run"
+    run_trainer(**tiny_config(tiny_setup, out, max_steps=2, save_every=2, eval_every=0))
+    with pytest.raises(ValueError, match="ZeRO stage 2.*is stage 3"):
+        run_trainer(**tiny_config(tiny_setup, out, max_steps=3, save_every=3, eval_every=0,
+                                  deepspeed_config=str(REPO / "configs" / "ds_zero3.json")))
     assert (out / "checkpoints" / "latest").read_text().strip() == "step-00000002"
-    resumed, _ = run_trainer(**tiny_config(tiny_setup, out, max_steps=3, save_every=3, eval_every=0,
-                                           deepspeed_config=zero2))
+    resumed, _ = run_trainer(**tiny_config(tiny_setup, out, max_steps=3, save_every=3, eval_every=0))
     assert resumed.state["step"] == 3
 
 def test_aux_ids_fed_in_training_equal_serving(tiny_setup, tmp_path):

@@ -61,11 +61,11 @@ def write_tiny_setup(root: Path, num_convs: int = 48, seed: int = 0, num_layers:
 
 
 def tiny_config(setup: dict, out: Path, **overrides) -> dict:
-    """Training config values for the tiny setup (online EAGLE-3, the default DeepSpeed config: stage 0)."""
+    """Training config values for the tiny setup (online EAGLE-3, ZeRO-2)."""
     values = dict(target=setup["target"], data=setup["data"], heldout_data=setup["heldout"], check_heldout=False,
                   output_dir=str(out), draft_vocab_size=24, ttt_steps=3, max_length=128, lr=3e-3, warmup_steps=2,
                   max_steps=6, save_every=3, eval_every=3, log_every=1, progress=False, heldout_samples=2,
-                  deepspeed_config=str(REPO / "configs" / "ds_zero0.json"))
+                  deepspeed_config=str(REPO / "configs" / "ds_zero2.json"))
     values.update(overrides)
     return values
 

@@ -106,10 +106,9 @@ class TrainConfig(ConfigModel):
     Runtime:
         output_dir: checkpoints (``<output_dir>/checkpoints``), ``metrics.jsonl``, ``token_counts.json``.
         deepspeed_config: DeepSpeed JSON (relative paths are tried against the working directory, then the repo).
-            Default ``configs/ds_zero0.json``: plain data parallel, the fastest for heads and small draft LMs (a
-            one-rank optimizer step of the 9.8 M-parameter SmolLM2 head: 19 ms against ZeRO-2's 85, bf16, one Zen 5
-            core); ``configs/ds_zero2.json`` / ``ds_zero3.json`` partition optimizer state / weights for large drafts.
-            A run resumes only with the ZeRO stage it was written with.
+            A run resumes only with the ZeRO stage it was written with. (Stage 0 with DeepSpeed's ``bf16`` section
+            is not offered: its BF16_Optimizer takes one AdamW step with zero gradients at start-up, which shifts
+            Adam's bias correction: a tiny draft LM's second-step loss then differs 2.7% from float32's.)
         save_every: optimizer steps between checkpoints (a final one is always written); keep_checkpoints: how many.
         eval_every: optimizer steps between held-out tau estimates (0: only at the end); log_every: log period.
         resume: continue from ``<output_dir>/checkpoints/latest`` when it exists.
@@ -171,7 +170,7 @@ class TrainConfig(ConfigModel):
     seed: int = 0
 
     output_dir: str = "runs/draft"
-    deepspeed_config: str = "configs/ds_zero0.json"
+    deepspeed_config: str = "configs/ds_zero2.json"
     save_every: Positive = 500
     keep_checkpoints: Positive = 2
     eval_every: NonNegative = 200
