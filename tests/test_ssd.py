@@ -163,9 +163,9 @@ def test_a_backup_scales_with_the_miss_fanout_it_is_cached_with(byte_tokenizer, 
     seen = []
     original = chain_module.sample_draft_tokens
 
-    def recording(logits, seqs, position, saguaro=None):
+    def recording(logits, seqs, position, saguaro=None, vocab=None):
         seen.append((logits.shape[0], saguaro.fanout if saguaro is not None else None))
-        return original(logits, seqs, position, saguaro)
+        return original(logits, seqs, position, saguaro, vocab)
 
     monkeypatch.setattr(chain_module, "sample_draft_tokens", recording)
     target = make_tiny_llama(seed=3)

@@ -30,14 +30,14 @@ def assert_same_requests(got: list[SpecRequest], want: list[SpecRequest]) -> Non
             torch.testing.assert_close(g.aux, w.aux, rtol=0, atol=0)
 
 
-def assert_same_proposals(got: list[Proposal], want: list[Proposal]) -> None:
+def assert_same_proposals(got: list[Proposal], want: list[Proposal], vocab: int = V) -> None:
     assert len(got) == len(want)
     for g, w in zip(got, want):
         assert (g.tokens, g.cache_hit, g.lookup_k, g.parents) == (w.tokens, w.cache_hit, w.lookup_k, w.parents)
         assert (g.fanout, g.fanout_power, g.backup) == (w.fanout, w.fanout_power, w.backup)
         assert (g.q is None) == (w.q is None)
-        if w.q is not None:
-            torch.testing.assert_close(g.q, w.q, rtol=0, atol=0)
+        if w.q is not None:  # (a reply's q is over its support: compared over the whole vocabulary)
+            torch.testing.assert_close(g.dense_q(vocab), w.dense_q(vocab), rtol=0, atol=0)
 
 
 def test_add_round_trips_with_and_without_aux():
@@ -82,7 +82,7 @@ def test_a_reply_carries_q_on_its_support_only_and_bit_for_bit():
                  Proposal([], torch.zeros(0, vocab, dtype=torch.float64), False, 2)]
     msg = p.encode_reply(proposals)
     assert msg.floats.numel() == 4 * 5  # 4 rows with q on the 5 columns used (not 4 * 1000)
-    assert_same_proposals(p.decode_reply(msg, vocab), proposals)
+    assert_same_proposals(p.decode_reply(msg, vocab), proposals, vocab)
 
 
 def test_remove_and_stats_round_trip():

@@ -33,8 +33,8 @@ class Proposal:
 
     Attributes:
         tokens: the proposed ids ``d_1..d_k`` (k may be 0); for a tree, the node tokens (node i = tokens[i-1]).
-        q: float [k, V_target], the distributions the tokens were sampled from, or None for point masses
-            (chains only; tree children are deterministic choices, verified by sample-and-match).
+        q: float [k, V_target] (or [k, D] over ``q_ids``), the distributions the tokens were sampled from, or None
+            for point masses (chains only; tree children are deterministic choices, verified by sample-and-match).
         cache_hit: SSD only: whether this proposal came from the speculation cache (None: no lookup happened).
         lookup_k: SSD only: the accepted length k that was looked up.
         parents: None for a chain; for a tree, the parent of each node (0 = the last committed token), parents
@@ -45,6 +45,8 @@ class Proposal:
         fanout_power: SSD only: the speculator's fitted r (``fanout_power: "auto"``; None before its first fit).
         backup: SSD only: the backup that drafted this proposal after a miss, ``neural`` or ``fast`` (None: from
             the speculation cache).
+        q_ids: int64 [D], the target token id of each column of q, ascending (an EAGLE-3 head's draft vocabulary:
+            q is 0 on every other token), or None: q spans the target's vocabulary.
     """
 
     tokens: list[int]
@@ -56,6 +58,13 @@ class Proposal:
     fanout: int | None = None
     fanout_power: float | None = None
     backup: str | None = None
+    q_ids: torch.Tensor | None = None
+
+    def dense_q(self, vocab_size: int) -> torch.Tensor | None:
+        """q over the target's vocabulary, float [k, ``vocab_size``] (0 off ``q_ids``), or None."""
+        if self.q is None or self.q_ids is None:
+            return self.q
+        return self.q.new_zeros(self.q.shape[0], vocab_size).index_copy_(1, self.q_ids.to(self.q.device), self.q)
 
     def parent_list(self) -> list[int]:
         """Each node's parent (0 = the root), for a chain ``[0, 1, ..., k-1]``."""

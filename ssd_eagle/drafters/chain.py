@@ -14,12 +14,12 @@ import torch
 
 from ssd_eagle.drafters.base import Proposal, SaguaroSampling
 
-# feed(rows, tokens [R'], features [R', H] | None, index) -> (logits [R', V_target], outputs [R', H] | None)
+# feed(rows, tokens [R'], features [R', H] | None, index) -> (logits [R', D], outputs [R', H] | None)
 FeedFn = Callable[[list[int], torch.Tensor, "torch.Tensor | None", int], tuple[torch.Tensor, "torch.Tensor | None"]]
 
 
-def sample_draft_tokens(logits: torch.Tensor, seqs: list, position: int,
-                        saguaro: SaguaroSampling | None = None) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
+def sample_draft_tokens(logits: torch.Tensor, seqs: list, position: int, saguaro: SaguaroSampling | None = None,
+                        vocab: torch.Tensor | None = None) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
     """Pick the next draft token of every row and report the q it was drawn from.
 
     Greedy rows take the argmax (q None: a point mass). Sampled rows draw from
@@ -28,12 +28,13 @@ def sample_draft_tokens(logits: torch.Tensor, seqs: list, position: int,
     draw nothing, so what a sequence's generator yields never depends on the batch's shape.
 
     Args:
-        logits: float [B, V_target] draft logits in the target's vocabulary (-inf outside a reduced vocabulary).
+        logits: float [B, D] draft logits over the columns ``vocab`` (the target id of each column; None: the
+            target's vocabulary, D = V_target; :attr:`~ssd_eagle.drafters.backends.DraftBackend.vocab`).
         seqs: the B sequences (for sampling params and generators), None for a padding row.
         position: index of this draft token in the chain (selects F_k).
 
     Returns:
-        (tokens int64 [B], q: B entries, each float [V_target] or None).
+        (target token ids int64 [B], q: B entries, each float [D] over the same columns, or None).
     """
     from ssd_eagle.sampling import SamplingTensors, logits_to_probs, sample
     from ssd_eagle.verify import saguaro_scale
@@ -49,11 +50,11 @@ def sample_draft_tokens(logits: torch.Tensor, seqs: list, position: int,
         tokens[rows] = sample(q, [seqs[i].draft_generator for i in rows])
         for j, i in enumerate(rows):
             qs[i] = q[j]
-    return tokens, qs
+    return (tokens if vocab is None else vocab[tokens]), qs
 
 
 def draft_chain(feed: FeedFn, logits: torch.Tensor, hidden: torch.Tensor | None, seqs: list, budgets: list[int],
-                saguaro: SaguaroSampling | None = None) -> list[Proposal]:
+                saguaro: SaguaroSampling | None = None, vocab: torch.Tensor | None = None) -> list[Proposal]:
     """Draft one chain per row: sample a token, feed it to the draft, sample the next; ``budgets[r]`` tokens cost
     ``budgets[r] - 1`` forwards (the last token is never fed).
 
@@ -62,7 +63,8 @@ def draft_chain(feed: FeedFn, logits: torch.Tensor, hidden: torch.Tensor | None,
             ``rows`` (indices into ``seqs``) that continue, with ``features`` the draft's outputs they were sampled
             from (see ``FeedFn``); where those tokens sit in the cache is the feed's business (a chain after the
             committed text: :meth:`~ssd_eagle.drafters.backends.DraftBackend.chain_feed`).
-        logits: float [R, V_target], the draft's distribution of each chain's first token.
+        logits: float [R, D], the draft's distribution of each chain's first token, over the columns ``vocab``
+            (as in :func:`sample_draft_tokens`; ``feed`` returns the same columns).
         hidden: float [R, H], the draft's output there (EAGLE-3), or None.
         seqs: the R rows' sequences (``params``, ``draft_generator``); None for a padding row (greedy, draws
             nothing: see :func:`sample_draft_tokens`).
@@ -70,8 +72,8 @@ def draft_chain(feed: FeedFn, logits: torch.Tensor, hidden: torch.Tensor | None,
         saguaro: Saguaro scaling of the sampled rows' q (None: plain sampling).
 
     Returns:
-        R chain proposals: ``tokens``, ``q`` float [k, V_target] (None for greedy rows) and ``hidden`` [k, H] (the
-        output each token was sampled from), or None without outputs.
+        R chain proposals: ``tokens``, ``q`` float [k, D] with ``q_ids = vocab`` (None for greedy rows) and
+        ``hidden`` [k, H] (the output each token was sampled from), or None without outputs.
     """
     R = len(seqs)
     tokens_out: list[list[int]] = [[] for _ in range(R)]
@@ -79,7 +81,7 @@ def draft_chain(feed: FeedFn, logits: torch.Tensor, hidden: torch.Tensor | None,
     hs: list[list[torch.Tensor]] = [[] for _ in range(R)]
     rows = list(range(R))
     for index in range(max(budgets)):
-        tokens, q = sample_draft_tokens(logits, [seqs[r] for r in rows], index, saguaro)
+        tokens, q = sample_draft_tokens(logits, [seqs[r] for r in rows], index, saguaro, vocab)
         for j, (r, t) in enumerate(zip(rows, tokens.tolist())):
             tokens_out[r].append(t)
             if q[j] is not None:
@@ -94,4 +96,4 @@ def draft_chain(feed: FeedFn, logits: torch.Tensor, hidden: torch.Tensor | None,
             hidden = hidden[keep] if hidden is not None else None
         logits, hidden = feed(rows, tokens, hidden, index)
     return [Proposal(tokens_out[r], torch.stack(qs[r]) if qs[r] else None,
-                     hidden=torch.stack(hs[r]) if hs[r] else None) for r in range(R)]
+                     hidden=torch.stack(hs[r]) if hs[r] else None, q_ids=vocab if qs[r] else None) for r in range(R)]

@@ -62,7 +62,8 @@ def draft_from_committed(backend: DraftBackend, seqs: list, num_cached: list[int
                               [c - b.offset for c in num_cached], pending if b.needs_aux else None)
     if tree is not None:
         return grow_after_committed(b, slots, lengths, logits, hidden, tree, budgets)
-    return draft_chain(b.chain_feed(slots, [n - b.offset for n in lengths]), logits, hidden, seqs, budgets, saguaro)
+    return draft_chain(b.chain_feed(slots, [n - b.offset for n in lengths]), logits, hidden, seqs, budgets, saguaro,
+                       b.vocab)
 
 
 def last_rows(pieces: list[torch.Tensor], n: int) -> torch.Tensor:
@@ -178,7 +179,7 @@ class NeuralDrafter(Drafter):
             n = len(seq.token_ids)
             st.num_cached, st.pending, st.base, st.skipped = n, None, n, False
             st.fed = len(draft.tokens) - 1 if draft.parents is None else 0
-            proposals[i] = Proposal(draft.tokens, draft.q, parents=draft.parents)
+            proposals[i] = Proposal(draft.tokens, draft.q, parents=draft.parents, q_ids=draft.q_ids)
         return proposals
 
     def on_verified(self, seq, num_accepted: int, aux: torch.Tensor | None) -> None:

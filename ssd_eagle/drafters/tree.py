@@ -43,7 +43,8 @@ def grow_trees(backend: DraftBackend, slots: list[int], root_logits: torch.Tenso
 
     Args:
         backend: the draft; slots: the R rows' cache slots (a slot may repeat: several trees of one sequence).
-        root_logits: [R, V] draft logits after the root (the last committed or predicted token).
+        root_logits: [R, D] draft logits after the root (the last committed or predicted token), over the
+            backend's columns (:attr:`~ssd_eagle.drafters.backends.DraftBackend.vocab`).
         root_hidden: [R, H] the draft's output at the root (EAGLE-3 pairs it with the depth-1 tokens), or None.
         base_visible: bool [R, S0], cache positions every node of the row may see (committed prefix, and the
             path to the root when the root is itself a draft).
@@ -64,11 +65,11 @@ def grow_trees(backend: DraftBackend, slots: list[int], root_logits: torch.Tenso
     pools: list[list[tuple]] = [[] for _ in range(R)]
     # frontier entries: (node id in the pool, score, cache positions of its fed ancestors)
     frontier: list[list[tuple[int, float, list[int]]]] = [[] for _ in range(R)]
-    top = torch.log_softmax(root_logits.float(), dim=-1).topk(k, dim=-1)
+    scores, ids = _top(backend, root_logits, k)
     for r in range(R):
         if depth_cap[r] == 0:
             continue
-        for s, t in zip(top.values[r].tolist(), top.indices[r].tolist()):
+        for s, t in zip(scores[r].tolist(), ids[r].tolist()):
             pools[r].append((s, t, 0, 1, None if root_hidden is None else root_hidden[r]))
             frontier[r].append((len(pools[r]), s, []))
     feats = root_hidden[:, None].expand(R, k, -1) if root_hidden is not None else None
@@ -92,13 +93,13 @@ def grow_trees(backend: DraftBackend, slots: list[int], root_logits: torch.Tenso
                 visible[r, j, write[r, j]] = True
         positions = torch.tensor(root_position)[:, None].expand(R, k) + d
         logits, hidden = backend.step(slots, tokens, positions, write, visible, feats)
-        top = torch.log_softmax(logits.float(), dim=-1).topk(k, dim=-1)
+        scores, ids = _top(backend, logits, k)
         new_frontier: list[list[tuple[int, float, list[int]]]] = [[] for _ in range(R)]
         parent_col = torch.zeros(R, k, dtype=torch.long)
         for r in rows:
             cands = []
             for j, (node, score, ancestors) in enumerate(frontier[r]):
-                for s, t in zip(top.values[r, j].tolist(), top.indices[r, j].tolist()):
+                for s, t in zip(scores[r, j].tolist(), ids[r, j].tolist()):
                     cands.append((score + s, t, node, j, ancestors + [int(write[r, j])]))
             cands.sort(key=lambda c: -c[0])
             base = len(pools[r])
@@ -111,6 +112,12 @@ def grow_trees(backend: DraftBackend, slots: list[int], root_logits: torch.Tenso
         if hidden is not None:
             feats = hidden.gather(1, parent_col[..., None].expand(-1, -1, hidden.shape[-1]))
     return [_select(pool, settings.budget) for pool in pools]
+
+
+def _top(backend: DraftBackend, logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``k`` best children of every row: (log-probabilities [..., k], target token ids [..., k])."""
+    top = torch.log_softmax(logits.float(), dim=-1).topk(k, dim=-1)
+    return top.values, backend.token_ids(top.indices)
 
 
 def grow_after_committed(backend: DraftBackend, slots: list[int], lengths: list[int], root_logits: torch.Tensor,

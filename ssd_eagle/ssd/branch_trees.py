@@ -76,30 +76,45 @@ class NodeLayout:
         return cls(parents, depth, children, key, path)
 
 
-def bonus_candidates(scores: torch.Tensor, exclude: set[int], fanout: int) -> list[int]:
+def bonus_candidates(scores: torch.Tensor, exclude: set[int], fanout: int,
+                     vocab: torch.Tensor | None = None) -> list[int]:
     """The speculation cache's bonus candidates at a node: the ``fanout`` best tokens of the draft's ``scores``
-    [V] (logits or probabilities), best first, skipping ``exclude`` (the node's children: a bonus equal to one would
-    have been an acceptance)."""
+    [D] (logits or probabilities over the columns ``vocab``, the target id of each column; None: the target's
+    vocabulary), best first, skipping ``exclude`` (the node's children: a bonus equal to one would have been an
+    acceptance). Returns target token ids."""
     if fanout <= 0:
         return []
-    order = scores.topk(min(fanout + len(exclude), scores.shape[-1])).indices.tolist()
+    order = scores.topk(min(fanout + len(exclude), scores.shape[-1])).indices
+    order = (order if vocab is None else vocab[order]).tolist()
     return [t for t in order if t not in exclude][:fanout]
 
 
-def ranked_candidates(logits: torch.Tensor, nodes: NodeLayout, tokens: list[int], count: int) -> list[list[int]]:
-    """:func:`bonus_candidates` of every node (``logits``: [T + 1, V] draft scores after each node), ``count``
-    each: ranked whatever fan-out is stored, so that :class:`NodeHitTable` sees the bonus's rank."""
-    return [bonus_candidates(logits[u], {tokens[c - 1] for c in nodes.children[u]}, count)
+def ranked_candidates(logits: torch.Tensor, nodes: NodeLayout, tokens: list[int], count: int,
+                      vocab: torch.Tensor | None = None) -> list[list[int]]:
+    """:func:`bonus_candidates` of every node (``logits``: [T + 1, D] draft scores after each node over the
+    columns ``vocab``), ``count`` each: ranked whatever fan-out is stored, so that :class:`NodeHitTable` sees the
+    bonus's rank."""
+    return [bonus_candidates(logits[u], {tokens[c - 1] for c in nodes.children[u]}, count, vocab)
             for u in range(len(nodes.depth))]
 
 
-def draft_land_probabilities(logits: torch.Tensor, nodes: NodeLayout, tokens: list[int]) -> list[float]:
+def draft_land_probabilities(logits: torch.Tensor, nodes: NodeLayout, tokens: list[int],
+                             vocab: torch.Tensor | None = None) -> list[float]:
     """P(verification ends at u) for every node if the draft's own distributions were the target's: P(reach u)
-    times P(stop at u) = 1 - the children's mass. ``logits``: [T + 1, V] draft logits after each node."""
+    times P(stop at u) = 1 - the children's mass. ``logits``: [T + 1, D] draft logits after each node over the
+    columns ``vocab`` (ascending target ids; None: the target's vocabulary); a node token outside them (an n-gram
+    backup's) has draft probability 0."""
     if not nodes.parents:
         return [1.0]
     probs = torch.softmax(logits.float(), dim=-1)  # (faster than a logsumexp on CPU)
-    child = probs[torch.tensor(nodes.parents), torch.tensor(tokens)].tolist()
+    ids = torch.tensor(tokens)
+    if vocab is None:
+        child = probs[torch.tensor(nodes.parents), ids].tolist()
+    else:
+        vocab = vocab.to(ids.device)
+        cols = torch.searchsorted(vocab, ids).clamp_max(vocab.numel() - 1)
+        inside = vocab[cols] == ids
+        child = torch.where(inside, probs[torch.tensor(nodes.parents), cols.to(probs.device)].cpu(), 0.0).tolist()
     reach, stop = [1.0] * len(nodes.depth), [1.0] * len(nodes.depth)
     for u in range(1, len(reach)):
         reach[u] = reach[nodes.parents[u - 1]] * child[u - 1]
@@ -261,7 +276,7 @@ def draft_branch_chains(backend, seqs: list, branches: list[list[dict]], depth: 
 
     logits, hidden = feed(None, tokens, feats, -1)
     rows = [seq if i < len(row) else None for seq, row in zip(seqs, branches) for i in range(F)]  # None: pad
-    chains = draft_chain(feed, logits, hidden, rows, [depth] * (B * F), saguaro)
+    chains = draft_chain(feed, logits, hidden, rows, [depth] * (B * F), saguaro, backend.vocab)
     return [chains[r * F: r * F + len(row)] for r, row in enumerate(branches)]
 
 

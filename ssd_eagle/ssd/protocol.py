@@ -24,8 +24,9 @@ chunk, ``start = 0``, starts the sequence and alone uses its seed and sampling f
 its last token is the first sampled one, which has no aux state yet, and the sequence then decodes.
 ``k = -1`` is the first round after the last ADD (no lookup); ``hit`` and ``lookup_k`` are -1 for None. A q travels
 on its support only: an EAGLE-3 head's q is 0 outside its draft vocabulary (8192 of SmolLM2's 49152 tokens), and
-top-k, top-p and Saguaro scaling zero more, so a sampled chain's reply shrinks from K x V floats to about a sixth,
-and the q the verifier rebuilds is the speculator's bit for bit. A reply is a
+top-k, top-p and Saguaro scaling zero more, so a sampled chain's reply shrinks from K x V floats to about a sixth;
+it is drafted over the head's columns and decoded over the support (``Proposal.q_ids``), never made dense on either
+side, and the verifier's q is the speculator's bit for bit. A reply is a
 :class:`~ssd_eagle.drafters.base.Proposal` (its ``cache_hit`` is the ``hit`` word; ``hidden`` stays on the
 speculator's side). Decoded tensors are copies:
 they outlive the channel's receive buffers.
@@ -134,9 +135,35 @@ def decode_propose(msg: Message, aux: bool = True) -> list:
 
 
 # REPLY
+def _q_support(proposals: list[Proposal]) -> tuple[torch.Tensor, list[torch.Tensor]] | None:
+    """(support int64 [n]: the target ids where some q of the reply is nonzero, ascending; every q on it [m, n]),
+    or None when no proposal has a q (then no tensor op at all). The q of a drafter with its own vocabulary
+    (``q_ids``, one tensor for the whole speculator) is taken over its columns without a scatter."""
+    with_q = [p for p in proposals if p.q is not None]
+    if not with_q:
+        return None
+    ids = with_q[0].q_ids
+    if all(p.q_ids is ids for p in with_q):  # one column set: the support is the columns used
+        used = torch.cat([p.q for p in with_q]).ne(0).any(0)
+        cols = used.nonzero().view(-1)
+        support = cols if ids is None else ids.to(cols.device)[cols]
+        return support.cpu(), [p.q.index_select(1, cols) for p in with_q]
+    parts = []  # mixed column sets: each q's nonzero columns as target ids, merged
+    for p in with_q:
+        cols = p.q.ne(0).any(0).nonzero().view(-1)
+        parts.append((cols if p.q_ids is None else p.q_ids.to(cols.device)[cols], p.q.index_select(1, cols)))
+    support = torch.unique(torch.cat([t.cpu() for t, _ in parts]))
+    qs = []
+    for target_ids, values in parts:
+        q = values.new_zeros(values.shape[0], support.numel())
+        q[:, torch.searchsorted(support, target_ids.cpu()).to(q.device)] = values
+        qs.append(q)
+    return support, qs
+
+
 def encode_reply(proposals: list[Proposal]) -> Message:
-    qs = [p.q.reshape(-1, p.q.shape[-1]) for p in proposals if p.q is not None]
-    support = torch.cat(qs).ne(0).any(0).nonzero().view(-1).cpu() if qs else None  # (no q: no tensor op at all)
+    found = _q_support(proposals)
+    support, qs = found if found is not None else (None, [])
     ints = [len(proposals), 0] if support is None else [len(proposals), support.numel(), *support.tolist()]
     for p in proposals:
         is_tree = p.parents is not None
@@ -144,15 +171,21 @@ def encode_reply(proposals: list[Proposal]) -> Message:
         backup = None if p.backup is None else BACKUPS.index(p.backup)
         ints += [_none_as(p.cache_hit), _none_as(p.lookup_k), _none_as(p.fanout), _none_as(power), _none_as(backup),
                  len(p.tokens), int(p.q is not None), int(is_tree), *p.tokens, *(p.parents if is_tree else [])]
-    floats = torch.cat([q.index_select(1, support.to(q.device)).reshape(-1).cpu() for q in qs]) if qs else None
+    floats = torch.cat([q.reshape(-1).cpu() for q in qs]) if qs else None
     return Message(REPLY, torch.tensor(ints, dtype=torch.long), floats)
 
 
 def decode_reply(msg: Message, vocab_size: int) -> list[Proposal]:
-    """``vocab_size``: V, the width of every q row (zeros off the reply's support)."""
+    """``vocab_size``: V. A q comes back on the reply's support, ``q`` [m, n] with ``q_ids`` the support (every
+    other token's probability is exactly 0; :meth:`~ssd_eagle.drafters.base.Proposal.dense_q` gives [m, V]).
+
+    Raises:
+        ValueError: a support id outside [0, V) (a speculator serving another vocabulary)."""
     values = msg.ints.tolist()
     n = values[1]
-    support = msg.ints[2: 2 + n].clone() if n else None
+    support = msg.ints[2: 2 + n].clone()
+    if n and not 0 <= values[2] <= values[1 + n] < vocab_size:  # (ascending: first and last bound it)
+        raise ValueError(f"reply q support [{values[2]}, {values[1 + n]}] outside the vocabulary [0, {vocab_size})")
     proposals, cursor, offset = [], 2 + n, 0
     for _ in range(values[0]):
         hit, lookup_k, fanout, power, backup, m, has_q, is_tree = values[cursor: cursor + 8]
@@ -165,15 +198,13 @@ def decode_reply(msg: Message, vocab_size: int) -> list[Proposal]:
             cursor += m
         q = None
         if has_q:
-            q = msg.floats.new_zeros(m, vocab_size)
-            if n:  # (n = 0: every q of the reply has no rows)
-                q[:, support] = msg.floats[offset: offset + m * n].view(m, n)
+            q = msg.floats[offset: offset + m * n].clone().view(m, n)
             offset += m * n
         hit = _as_none(hit)
         power = _as_none(power)
         proposals.append(Proposal(tokens, q, None if hit is None else bool(hit), _as_none(lookup_k), parents,
                                   fanout=_as_none(fanout), fanout_power=None if power is None else power / 1e6,
-                                  backup=None if backup < 0 else BACKUPS[backup]))
+                                  backup=None if backup < 0 else BACKUPS[backup], q_ids=support if has_q else None))
     return proposals
 
 

@@ -381,7 +381,7 @@ class Speculator:
 
     def _proposal_forward(self, seqs: list[_Seq]):
         """One tree-masked forward per row over the uncached committed tokens (a chain ending at the root, the
-        last committed token) and the proposal's nodes. Returns, per row, the draft logits [1 + T, V] and outputs
+        last committed token) and the proposal's nodes. Returns, per row, the draft logits [1 + T, D] and outputs
         after the root and after each node, and each of those positions in the cache."""
         b = self.backend
         roots, nodes, parents, starts, feats = [], [], [], [], []
@@ -417,8 +417,9 @@ class Speculator:
         spreads at most ``limit`` (the time budget's branches per row) over its nodes."""
         proposal = seq.proposal
         nodes = NodeLayout.of(proposal)
-        ranked = ranked_candidates(logits, nodes, proposal.tokens, self.node_table.max_rank)
-        land = draft_land_probabilities(logits, nodes, proposal.tokens)
+        vocab = self.backend.vocab
+        ranked = ranked_candidates(logits, nodes, proposal.tokens, self.node_table.max_rank, vocab)
+        land = draft_land_probabilities(logits, nodes, proposal.tokens, vocab)
         fan = self.fanout_miss if missed else self.fanout
         if proposal.parents is None:  # a chain: F by depth, the all-accepted outcome gets F_K
             m = len(proposal.tokens)
