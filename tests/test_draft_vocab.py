@@ -3,7 +3,8 @@ over the target's vocabulary (the head's logits scattered into [.., V] with -inf
 the same q once made dense (0 off the draft vocabulary; equal to rounding: a softmax over D columns sums its terms
 in another order than one over V), the same trees, speculation caches and seeded outputs, at T = 0 and T > 0, with
 top-k and Saguaro scaling. Losslessness does not rest on this: the verifier tests every token with the q it was
-drawn from."""
+drawn from. A head whose draft vocabulary is not in ascending target-id order (a third-party checkpoint) drafts,
+replies and plans fan-outs correctly too; q on another device than the target's: tests/gpu/test_cuda_graphs.py."""
 
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ from ssd_eagle.engine.llm_engine import LLMEngine
 from ssd_eagle.kv_cache import ForwardBatch
 from ssd_eagle.model_runner import ModelRunner
 from ssd_eagle.sampling_params import SamplingParams
+from ssd_eagle.ssd.branch_trees import NodeLayout, draft_land_probabilities
 from ssd_eagle.ssd.protocol import decode_reply, encode_reply
 from ssd_eagle.ssd.speculator import Speculator, SpecRequest
 
@@ -146,3 +148,41 @@ def test_a_reply_mixing_column_sets_keeps_every_q():
     torch.testing.assert_close(got[2].dense_q(12), dense, rtol=0, atol=0)
     with pytest.raises(ValueError, match="outside the vocabulary"):
         decode_reply(encode_reply([own]), 9)
+
+
+# --- a third-party head's vocabulary in any order (found in review)
+
+def descending_head(target):
+    """A head whose draft ids map to target ids in descending order: an injective d2t, which
+    ``check_vocab_mapping`` accepts (a third-party checkpoint may order its draft vocabulary any way)."""
+    head = eagle3_head_for(target, draft_vocab=D, seed=1)
+    ids = head.draft_target_ids.flip(0)
+    head.set_vocab_mapping(ids - torch.arange(D), head.t2d.clone())  # accepted
+    return head
+
+
+
+
+def test_a_sampled_reply_of_a_head_with_an_unsorted_vocabulary_decodes():
+    target = make_tiny_llama(vocab_size=V, seed=4, num_layers=8, max_positions=256)
+    head = descending_head(target)
+    backend = Eagle3Backend(head, 1, 256, fixed_shapes=False)
+    pending = backend.prefill(0, COMMITTED, committed_aux(target, head))
+    seq = SimpleNamespace(slot=0, token_ids=COMMITTED, params=SamplingParams(temperature=1.0),
+                          draft_generator=torch.Generator().manual_seed(7))
+    draft = draft_from_committed(backend, [seq], [len(COMMITTED) - 1], [pending], [K])[0]
+    got = decode_reply(encode_reply([draft]), V)[0]  # raises: "reply q support [...] outside the vocabulary"
+    torch.testing.assert_close(got.dense_q(V), draft.dense_q(V), rtol=0, atol=0)
+
+
+def test_land_probabilities_of_a_head_with_an_unsorted_vocabulary():
+    """Over the draft's columns, the land probabilities equal those over the target's vocabulary."""
+    torch.manual_seed(0)
+    vocab = torch.tensor([40, 30, 20, 10])  # column c scores target id vocab[c]
+    logits = torch.randn(3, 4, dtype=torch.float64)
+    dense = torch.full((3, V), float("-inf"), dtype=torch.float64).index_copy_(1, vocab, logits)
+    proposal = Proposal([30, 10])  # a chain: node 1 = token 30 (column 1), node 2 = token 10 (column 3)
+    nodes = NodeLayout.of(proposal)
+    want = draft_land_probabilities(dense, nodes, proposal.tokens)
+    got = draft_land_probabilities(logits, nodes, proposal.tokens, vocab)
+    assert got == pytest.approx(want, rel=1e-6)

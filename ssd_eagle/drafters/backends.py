@@ -40,8 +40,8 @@ token having probability 0; outputs ``[B, n, H]`` (EAGLE-3) or None (a draft LM)
 Why the draft's vocabulary: everything drafted from these logits (argmax, softmax, sampling, top-k candidates)
 costs D instead of V_target per row. SmolLM2's head (D = 8192 of 49152), 24 branches, one bf16 Zen 5 core: scatter
 0.49 ms, argmax 0.98 -> 0.21 ms, softmax 1.06 -> 0.20, sampling 1.87 -> 0.54, top-8 1.48 -> 0.27 per step. The
-drafts are the same (columns ascend with the target ids, so argmax and top-k ties break alike, and zero columns
-change no cumulative sum; a softmax over D terms rounds differently from one over V only in the last bit), and the
+drafts are the same (our heads' columns ascend with the target ids, so argmax and top-k ties break alike, and zero
+columns change no cumulative sum; a softmax over D terms rounds differently from one over V only in the last bit), and the
 verifier tests each token with the q it was drawn from (``Proposal.q_ids``), so the output law is the target's.
 """
 
@@ -66,8 +66,9 @@ class DraftBackend(ABC):
 
     Attributes:
         offset: cache position = token position - offset.
-        vocab: int64 [D], the target token id of each logit column, ascending, or None: the columns are the
-            target's vocabulary (:meth:`token_ids` maps columns to token ids).
+        vocab: int64 [D], the target token id of each logit column (ascending for the heads we train, any order
+            for a third-party one), or None: the columns are the target's vocabulary (:meth:`token_ids` maps columns
+            to token ids).
         needs_aux: the draft takes target features (EAGLE-3); hidden_size: their width H (None otherwise).
         aux_layer_ids: the target layers whose aux states the draft needs (None without features).
         dtype, device, kv: the draft's dtype, device and cache (its last slot is the scratch slot).
@@ -87,7 +88,7 @@ class DraftBackend(ABC):
     vocab: torch.Tensor | None = None
 
     def set_vocab(self, ids: torch.Tensor | None, vocab_size: int) -> None:
-        """Logit column c scores target token ``ids[c]`` (int64 [D], ascending); None: the target's vocabulary."""
+        """Logit column c scores target token ``ids[c]`` (int64 [D]); None: the target's vocabulary."""
         self.vocab = None if ids is None or ids.numel() == vocab_size else ids.to(self.device)
 
     def token_ids(self, columns: torch.Tensor) -> torch.Tensor:

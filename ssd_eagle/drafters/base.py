@@ -45,7 +45,7 @@ class Proposal:
         fanout_power: SSD only: the speculator's fitted r (``fanout_power: "auto"``; None before its first fit).
         backup: SSD only: the backup that drafted this proposal after a miss, ``neural`` or ``fast`` (None: from
             the speculation cache).
-        q_ids: int64 [D], the target token id of each column of q, ascending (an EAGLE-3 head's draft vocabulary:
+        q_ids: int64 [D], the target token id of each column of q (an EAGLE-3 head's draft vocabulary, in its order:
             q is 0 on every other token), or None: q spans the target's vocabulary.
     """
 

@@ -115,8 +115,8 @@ def grow_trees(backend: DraftBackend, slots: list[int], root_logits: torch.Tenso
 
 
 def _top(backend: DraftBackend, logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The ``k`` best children of every row: (log-probabilities [..., k], target token ids [..., k])."""
-    top = torch.log_softmax(logits.float(), dim=-1).topk(k, dim=-1)
+    """The ``k`` best children of every row (all D when D < k): (log-probabilities, target token ids)."""
+    top = torch.log_softmax(logits.float(), dim=-1).topk(min(k, logits.shape[-1]), dim=-1)
     return top.values, backend.token_ids(top.indices)
 
 

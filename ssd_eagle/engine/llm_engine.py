@@ -398,7 +398,8 @@ class LLMEngine:
                     if prop.q is not None and prop.q_ids is None:
                         q[j, : len(prop.tokens)] = prop.q.to(p.dtype)
                     elif prop.q is not None:  # over the drafter's own columns: 0 on every other token
-                        q[j, : len(prop.tokens)].index_copy_(-1, prop.q_ids.to(device), prop.q.to(p.dtype))
+                        q[j, : len(prop.tokens)].index_copy_(-1, prop.q_ids.to(device),
+                                                             prop.q.to(device=device, dtype=p.dtype))
                     elif prop.tokens:  # deterministic proposal: point masses
                         q[j, torch.arange(len(prop.tokens)), drafts[i, : len(prop.tokens)]] = 1.0
             accepted[sampled], bonus_t[sampled] = rejection_verify(

@@ -102,8 +102,8 @@ def draft_land_probabilities(logits: torch.Tensor, nodes: NodeLayout, tokens: li
                              vocab: torch.Tensor | None = None) -> list[float]:
     """P(verification ends at u) for every node if the draft's own distributions were the target's: P(reach u)
     times P(stop at u) = 1 - the children's mass. ``logits``: [T + 1, D] draft logits after each node over the
-    columns ``vocab`` (ascending target ids; None: the target's vocabulary); a node token outside them (an n-gram
-    backup's) has draft probability 0."""
+    columns ``vocab`` (the target id of each column, in any order; None: the target's vocabulary); a node token
+    outside them (an n-gram backup's) has draft probability 0."""
     if not nodes.parents:
         return [1.0]
     probs = torch.softmax(logits.float(), dim=-1)  # (faster than a logsumexp on CPU)
@@ -111,10 +111,10 @@ def draft_land_probabilities(logits: torch.Tensor, nodes: NodeLayout, tokens: li
     if vocab is None:
         child = probs[torch.tensor(nodes.parents), ids].tolist()
     else:
-        vocab = vocab.to(ids.device)
-        cols = torch.searchsorted(vocab, ids).clamp_max(vocab.numel() - 1)
-        inside = vocab[cols] == ids
-        child = torch.where(inside, probs[torch.tensor(nodes.parents), cols.to(probs.device)].cpu(), 0.0).tolist()
+        match = ids[:, None] == vocab.to(ids.device)[None, :]  # [T, D]: T is a proposal's nodes (a few dozen)
+        cols = match.int().argmax(1)
+        child = torch.where(match.any(1), probs[torch.tensor(nodes.parents), cols.to(probs.device)].cpu(),
+                            0.0).tolist()
     reach, stop = [1.0] * len(nodes.depth), [1.0] * len(nodes.depth)
     for u in range(1, len(reach)):
         reach[u] = reach[nodes.parents[u - 1]] * child[u - 1]

@@ -147,6 +147,9 @@ def _q_support(proposals: list[Proposal]) -> tuple[torch.Tensor, list[torch.Tens
         used = torch.cat([p.q for p in with_q]).ne(0).any(0)
         cols = used.nonzero().view(-1)
         support = cols if ids is None else ids.to(cols.device)[cols]
+        if support.numel() > 1 and not bool((support[1:] > support[:-1]).all()):  # (a vocabulary in any order)
+            support, order = support.sort()
+            cols = cols[order]
         return support.cpu(), [p.q.index_select(1, cols) for p in with_q]
     parts = []  # mixed column sets: each q's nonzero columns as target ids, merged
     for p in with_q:
@@ -184,7 +187,7 @@ def decode_reply(msg: Message, vocab_size: int) -> list[Proposal]:
     values = msg.ints.tolist()
     n = values[1]
     support = msg.ints[2: 2 + n].clone()
-    if n and not 0 <= values[2] <= values[1 + n] < vocab_size:  # (ascending: first and last bound it)
+    if n and not 0 <= values[2] <= values[1 + n] < vocab_size:  # (encode_reply sorts it: first and last bound it)
         raise ValueError(f"reply q support [{values[2]}, {values[1 + n]}] outside the vocabulary [0, {vocab_size})")
     proposals, cursor, offset = [], 2 + n, 0
     for _ in range(values[0]):

@@ -1,20 +1,23 @@
-"""GPU paths: CUDA-graph replays equal eager forwards, the engine stays lossless with graphs, and SSD runs as two
-processes on one GPU. Run by ``scripts/gpu_check.sh``; skipped where no CUDA device exists."""
+"""GPU paths: CUDA-graph replays equal eager forwards, the engine stays lossless with graphs, SSD runs as two
+processes on one GPU, and a sampled round verifies a q that lives on the CPU (the speculator's default device, or
+a reply received over gloo). Run by ``scripts/gpu_check.sh``; skipped where no CUDA device exists."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from helpers import make_drafter, make_tiny_llama, noisy_copy, random_prompts, reference_greedy
+from helpers import eagle3_head_for, make_drafter, make_tiny_llama, noisy_copy, random_prompts, reference_greedy
 from ssd_eagle.config import EngineConfig, SpeculativeConfig
 from ssd_eagle.cuda_graphs import StaticForward, runner_forward_fn
+from ssd_eagle.drafters.base import Drafter, Proposal
 from ssd_eagle.engine.factory import build
 from ssd_eagle.engine.llm import LLM
 from ssd_eagle.engine.llm_engine import LLMEngine
 from ssd_eagle.kv_cache import ForwardBatch
 from ssd_eagle.model_runner import ModelRunner
 from ssd_eagle.sampling_params import SamplingParams
+from ssd_eagle.ssd.protocol import decode_reply, encode_reply
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
                                 reason="needs a CUDA device (scripts/gpu_check.sh runs these on a GPU machine)")
@@ -118,3 +121,48 @@ def test_draft_step_graph_replay_equals_eager(kind):
     for view, copy in kept:
         torch.testing.assert_close(view, copy, rtol=0, atol=0)
     assert len(graphed.static._graphs) == 1, "one shape: captured once, replayed after"
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# sampled rounds whose q lives on another device than the target (drafts over the head's own vocabulary)
+
+QV, QD, QK = 80, 24, 3
+
+
+def test_in_process_ssd_eagle3_on_a_gpu_target_with_the_cpu_speculator_samples(byte_tokenizer):
+    """The default SSD placement on a GPU: target on cuda, speculator (draft_device) on the CPU, T = 1."""
+    target = make_tiny_llama(vocab_size=QV, seed=4, num_layers=8, max_positions=256)
+    head = eagle3_head_for(target, draft_vocab=QD, seed=1)
+    spec = SpeculativeConfig(method="eagle3", model="in-memory", num_speculative_tokens=QK, fanout=[2],
+                             speculator="local")
+    cfg = EngineConfig(model="in-memory", mode="ssd", device="cuda", draft_device="cpu", max_num_seqs=2,
+                       max_model_len=256, speculative_config=spec)
+    engine = build(cfg, target.to("cuda"), tokenizer=byte_tokenizer, draft=head)
+    outs = LLM(engine=engine).generate([[7, 7, 1, 2, 3, 9], [4, 4, 8, 1]],
+                                       SamplingParams(temperature=1.0, max_tokens=16, seed=11, ignore_eos=True))
+    assert all(len(o.token_ids) == 16 for o in outs)
+    assert engine.drafter.healthy
+
+
+class WireDrafter(Drafter):
+    """Proposals as :class:`~ssd_eagle.ssd.client.SpeculatorLink` hands them over from a gloo link: decoded from a
+    reply, on the CPU (a sampled chain drawn from a uniform q over a few tokens)."""
+
+    def propose(self, seqs, num_tokens):
+        out = []
+        for n in num_tokens:
+            k = min(n, 2)
+            q = torch.zeros(k, QV, dtype=torch.float64)
+            q[:, [5, 9, 11, 12]] = 0.25
+            out.append(decode_reply(encode_reply([Proposal([9] * k, q)]), QV)[0])
+        return out
+
+
+def test_a_reply_decoded_on_the_cpu_is_verified_by_a_gpu_target(byte_tokenizer):
+    """``speculator: process`` over gloo (CPU speculator, or one on the target's own GPU): q arrives on the CPU."""
+    target = make_tiny_llama(vocab_size=QV, seed=4, num_layers=8, max_positions=256).to("cuda")
+    engine = LLMEngine(target, byte_tokenizer, WireDrafter(), num_speculative_tokens=QK, max_num_seqs=1,
+                       max_model_len=256)
+    out = LLM(engine=engine).generate([[7, 7, 1, 2]], SamplingParams(temperature=1.0, max_tokens=8, seed=3,
+                                                                     ignore_eos=True))
+    assert len(out[0].token_ids) == 8
