@@ -41,8 +41,12 @@ def target_and_head():
 def over_target_vocab(backend: Eagle3Backend) -> Eagle3Backend:
     """The backend as it drafted before: logits scattered into the target's vocabulary, no column map."""
     run = backend.run
-    backend.run = lambda batch, features, logits_index=None: (
-        (lambda out: (backend.head.to_target_logits(out[0]), out[1]))(run(batch, features, logits_index)))
+
+    def run_over_target_vocab(batch, features, logits_index=None):
+        logits, outputs = run(batch, features, logits_index)
+        return backend.head.to_target_logits(logits), outputs
+
+    backend.run = run_over_target_vocab
     backend.vocab = None
     return backend
 

@@ -60,11 +60,17 @@ class Proposal:
     backup: str | None = None
     q_ids: torch.Tensor | None = None
 
-    def dense_q(self, vocab_size: int) -> torch.Tensor | None:
-        """q over the target's vocabulary, float [k, ``vocab_size``] (0 off ``q_ids``), or None."""
-        if self.q is None or self.q_ids is None:
-            return self.q
-        return self.q.new_zeros(self.q.shape[0], vocab_size).index_copy_(1, self.q_ids.to(self.q.device), self.q)
+    def dense_q(self, vocab_size: int, out: torch.Tensor | None = None) -> torch.Tensor | None:
+        """q over the target's vocabulary, float [k, ``vocab_size``] (0 off ``q_ids``), or None without q.
+
+        ``out``: a zero-filled [k, vocab_size] tensor to write it into, in ``out``'s device and dtype (the verifier's
+        q: a q drafted on the CPU speculator, or decoded from a gloo reply, reaches a GPU target this way)."""
+        if self.q is None:
+            return None
+        if out is None:
+            out = self.q.new_zeros(self.q.shape[0], vocab_size)
+        q = self.q.to(device=out.device, dtype=out.dtype)
+        return out.copy_(q) if self.q_ids is None else out.index_copy_(-1, self.q_ids.to(out.device), q)
 
     def parent_list(self) -> list[int]:
         """Each node's parent (0 = the root), for a chain ``[0, 1, ..., k-1]``."""

@@ -395,11 +395,8 @@ class LLMEngine:
                 q = torch.zeros(len(sampled), n - 1, p.shape[-1], dtype=p.dtype, device=device)
                 for j, i in enumerate(sampled):
                     prop = proposals[i]
-                    if prop.q is not None and prop.q_ids is None:
-                        q[j, : len(prop.tokens)] = prop.q.to(p.dtype)
-                    elif prop.q is not None:  # over the drafter's own columns: 0 on every other token
-                        q[j, : len(prop.tokens)].index_copy_(-1, prop.q_ids.to(device),
-                                                             prop.q.to(device=device, dtype=p.dtype))
+                    if prop.q is not None:  # (over the drafter's own columns when it has q_ids: 0 elsewhere)
+                        prop.dense_q(p.shape[-1], out=q[j, : len(prop.tokens)])
                     elif prop.tokens:  # deterministic proposal: point masses
                         q[j, torch.arange(len(prop.tokens)), drafts[i, : len(prop.tokens)]] = 1.0
             accepted[sampled], bonus_t[sampled] = rejection_verify(
