@@ -79,7 +79,7 @@ def test_the_speculator_refits_its_fanout_after_50_lookups():
     ranks, stored, accepted, rejected = [], [], 0, 0
     for i, r in enumerate(power_law_ranks(60, 0.4, 0.8, seed=5)):
         k = rng.choice([0, 0, 1, 2, 4])
-        seq.proposal = Proposal([10, 11, 12, 13])
+        seq.proposal, seq.source = Proposal([10, 11, 12, 13]), "neural"  # (a proposal the backup drafted)
         cands = [100 + j for j in range(start[k])]
         seq.candidates = {tuple(seq.proposal.tokens[:k]): cands}
         bonus = cands[r] if r < len(cands) else 99

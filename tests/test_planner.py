@@ -338,8 +338,9 @@ def test_with_each_drafter_a_useless_one_ends_in_plain_decoding_and_a_good_one_c
     if kind == "ssd":
         assert good.stats.cache_hits > 0  # the speculator kept its cache through the idle rounds
         # only rounds that speculate count as lookups (a planned-off round's cache answer was never used: counted,
-        # a server reported hit rate 0.35 with 7 tokens drafted in 38 rounds)
-        assert 0 < bad.stats.cache_lookups <= s["rounds"] - s["rounds_without_speculation"]
+        # a server reported hit rate 0.35 with 7 tokens drafted in 38 rounds), and a probe after planned-off rounds
+        # is no miss: the speculator built nothing for it (it idled), the backup drafted it
+        assert bad.stats.cache_lookups <= s["rounds"] - s["rounds_without_speculation"] - s["probes"]
     assert engine.stats.planned_k == {k: bad.stats.planned_k.get(k, 0) + good.stats.planned_k.get(k, 0)
                                       for k in set(bad.stats.planned_k) | set(good.stats.planned_k)}
     assert engine.stats.num_probes == bad.stats.num_probes + good.stats.num_probes

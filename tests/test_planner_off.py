@@ -2,7 +2,8 @@
 batched feed when a probe comes or speculation turns back on (ssd_eagle.drafters.neural). Greedy output equals the
 target's greedy decode with speculation switching off and on mid-request; after the catch-up the draft proposes
 what a draft prefilled from scratch with the committed text proposes; the catch-up is chunked by the token budget
-and is not learnt as drafting cost. Tiny float64 targets."""
+and is not learnt as drafting cost. In SSD a planned-off round builds no speculation cache (ssd_eagle.ssd.speculator).
+Tiny float64 targets."""
 
 from __future__ import annotations
 
@@ -13,7 +14,9 @@ import torch
 
 from helpers import eagle3_head_for, make_tiny_llama, reference_greedy
 from ssd_eagle.drafters import DraftModelDrafter
+from ssd_eagle.config import EngineConfig, SpeculativeConfig
 from ssd_eagle.drafters.eagle3 import Eagle3Drafter
+from ssd_eagle.engine.factory import build
 from ssd_eagle.engine.llm import LLM
 from ssd_eagle.engine.llm_engine import LLMEngine
 from ssd_eagle.kv_cache import ForwardBatch
@@ -179,3 +182,35 @@ def test_a_real_planner_switching_a_draft_off_and_back_on_stays_exact(byte_token
     reference = reference_greedy(target, prompt, 80, eos=set())
     assert out.token_ids == reference and back.token_ids == reference
     assert back.stats.num_accepted >= 40
+
+
+@pytest.mark.parametrize("kind", ["draft_model", "eagle3"])
+def test_ssd_rounds_planned_off_build_nothing_and_speculation_comes_back_exact(kind, byte_tokenizer):
+    """SSD (in-process speculator): while the planner runs a request without speculation the speculator only
+    commits the outcomes (no draft forward, so a remote one idles and answers the next round at once); the first
+    round back drafts from the committed text (a miss) and the output stays the target's greedy decode."""
+    target = make_tiny_llama(seed=4, num_layers=8)
+    head = eagle3_head_for(target, draft_vocab=257) if kind == "eagle3" else copy.deepcopy(target)
+    spec = SpeculativeConfig(method=kind, model="in-memory", num_speculative_tokens=K, fanout=[4],
+                             speculator="local")
+    cfg = EngineConfig(model="in-memory", mode="ssd", max_num_seqs=2, max_model_len=512, speculative_config=spec)
+    engine = build(cfg, target, tokenizer=byte_tokenizer, draft=head)
+    speculator = engine.drafter.speculator.speculator
+    engine.planner = Scripted([K, K] + [0] * 70 + [K] * 40)  # (70 off rounds: the aux rows fused on the way)
+    engine.add_request("a", [3, 1, 4, 1, 5, 9, 2, 6], SamplingParams(temperature=0.0, max_tokens=110,
+                                                                    ignore_eos=True))
+    forwards, lookups, engine_lookups = [], [], []
+    out = []
+    while engine.has_unfinished():
+        before, n, counted = speculator.backend.forwards, speculator.stats.lookups, engine.stats.cache_lookups
+        out += engine.step()
+        forwards.append(speculator.backend.forwards - before)
+        lookups.append(speculator.stats.lookups - n)
+        engine_lookups.append(engine.stats.cache_lookups - counted)
+    # round 2 looks up round 1's build, then nothing is built or looked up until round 72 drafts from the
+    # committed text (the backup: no lookup), which builds again for round 73's lookup
+    assert forwards[1] > 0 and forwards[2:72] == [0] * 70 and forwards[72] > 0
+    assert lookups[2] == 1 and lookups[3:73] == [0] * 70 and lookups[73] == 1
+    # the engine counts neither round 2's lookup (its answer goes unused) nor a miss for round 72 (none was built)
+    assert engine_lookups[1:4] == [1, 0, 0] and engine_lookups[72:74] == [0, 1]
+    assert out[-1].outputs[0].token_ids == reference_greedy(target, [3, 1, 4, 1, 5, 9, 2, 6], 110, eos=set())

@@ -20,6 +20,12 @@ chain the accepted tokens are ``s_1..s_k``, so the key is the paper's ``(k, bonu
    running when the next outcome arrives stops before its next forward, and that outcome is answered at once
    from what is complete (a branch enters the cache only once drafted to the end), else by the backup.
 
+A round the verifier's planner runs without speculation (budget 0: :mod:`ssd_eagle.planner`) is committed and
+answered with an empty proposal, and builds nothing: the speculator idles while the target verifies, so the next
+message is answered at once, and the tokens committed meanwhile are fed by the next backup draft (a probe, or
+speculation back on), as :meth:`~ssd_eagle.drafters.neural.NeuralDrafter.catch_up` does in SD. Their aux states are
+fused every ``FUSE_ROWS`` rows (bounded memory).
+
 Fan-out: chains use F_0..F_K by depth (uniform or geometric, :mod:`ssd_eagle.ssd.fanout`); trees spread the budget
 B over nodes by the measured P(the outcome lands at u) x P(bonus rank f there) (:mod:`ssd_eagle.ssd.branch_trees`,
 which also drafts the branches: chains and trees).
@@ -38,7 +44,7 @@ import torch
 
 from ssd_eagle.drafters.backends import DraftBackend
 from ssd_eagle.drafters.base import Proposal, SaguaroSampling
-from ssd_eagle.drafters.neural import draft_from_committed
+from ssd_eagle.drafters.neural import FUSE_ROWS, draft_from_committed
 from ssd_eagle.drafters.ngram import NgramDrafter
 from ssd_eagle.drafters.tree import TreeSettings
 from ssd_eagle.kv_cache import ForwardBatch
@@ -187,7 +193,10 @@ class Speculator:
                 misses.append(i)
             self._spent += (seq.cache, seq.candidates)
             seq.cache, seq.candidates, seq.built, seq.nodes = {}, {}, False, None
-            self._to_build.append((seq, hit is False))
+            if req.budget > 0:  # a planned-off round builds nothing (module docstring)
+                self._to_build.append((seq, hit is False))
+            elif sum(a.shape[0] for a in seq.raw) >= FUSE_ROWS:
+                self._fuse([seq])
         if misses:
             rows = [self.seqs[requests[i].slot] for i in misses]
             backup, drafts = self._backup(rows, [requests[i].budget for i in misses], len(requests) - len(misses))
@@ -199,8 +208,9 @@ class Speculator:
         accepted = req.accepted if req.accepted is not None else seq.proposal.tokens[: req.num_accepted]
         return tuple(accepted), req.bonus
 
-    def _commit(self, seq: _Seq, req: SpecRequest) -> bool:
-        """Apply the verifier's outcome; return whether the speculation cache holds it."""
+    def _commit(self, seq: _Seq, req: SpecRequest) -> bool | None:
+        """Apply the verifier's outcome; return whether the speculation cache holds it (None: the last round was
+        planned off, so nothing was built to look up)."""
         path, bonus = self._key(seq, req)
         proposal = seq.proposal
         seq.token_ids.extend(list(path) + [bonus])
@@ -209,6 +219,8 @@ class Speculator:
         elif proposal is not None and seq.fed:
             # the accepted path is cached where it lies only for a chain (trees are fed again)
             seq.num_cached = seq.path_base + (len(path) if proposal.parents is None else 0)
+        if proposal is not None and seq.source is None:
+            return None
         if seq.source is not None:
             self.choice.observe_tokens(seq.source, len(path) + 1)
         cands = seq.candidates.get(path)
