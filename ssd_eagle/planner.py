@@ -381,8 +381,9 @@ def planner_for(engine, spec) -> Planner | None:
     ``E(k) / (V(k + 1) + wait(k))``, which is SD's rule with SD's draft time replaced by SSD's wait: wherever a
     hit saves drafting, SSD's plan is at least SD's. The speculator still builds K-chains (its fan-out and time
     budget are sized for K); a reply is cut to the planned k (a prefix of a cached chain is still a proposal).
-    While off, the speculator still commits every outcome (a budget of 0) and a probe's reply comes from its cache
-    on a hit, so speculation resumes at no rebuild cost. An in-line speculator (``speculator: local``, for tests
+    While off, the verifier sends the speculator nothing (the outcomes go, merged, with the next request) and the
+    speculator builds nothing, so a round off costs what an AR step costs; a probe is drafted from the committed
+    text, as in SD (:mod:`ssd_eagle.ssd.speculator`). An in-line speculator (``speculator: local``, for tests
     and debugging: its builds run on the verifier's time) is not planned, so that it runs exactly what its config
     says.
     """

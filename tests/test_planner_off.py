@@ -185,10 +185,11 @@ def test_a_real_planner_switching_a_draft_off_and_back_on_stays_exact(byte_token
 
 
 @pytest.mark.parametrize("kind", ["draft_model", "eagle3"])
-def test_ssd_rounds_planned_off_build_nothing_and_speculation_comes_back_exact(kind, byte_tokenizer):
-    """SSD (in-process speculator): while the planner runs a request without speculation the speculator only
-    commits the outcomes (no draft forward, so a remote one idles and answers the next round at once); the first
-    round back drafts from the committed text (a miss) and the output stays the target's greedy decode."""
+def test_ssd_rounds_planned_off_send_nothing_build_nothing_and_speculation_comes_back_exact(kind, byte_tokenizer):
+    """SSD (in-process speculator): rounds the planner runs without speculation send the speculator nothing (the
+    verifier never waits for it) but one budget-0 request once FLUSH_ROWS tokens have gathered; it builds
+    nothing for them; the first round back brings the merged outcomes (no lookup) and drafts from the committed
+    text, and the output stays the target's greedy decode."""
     target = make_tiny_llama(seed=4, num_layers=8)
     head = eagle3_head_for(target, draft_vocab=257) if kind == "eagle3" else copy.deepcopy(target)
     spec = SpeculativeConfig(method=kind, model="in-memory", num_speculative_tokens=K, fanout=[4],
@@ -196,21 +197,73 @@ def test_ssd_rounds_planned_off_build_nothing_and_speculation_comes_back_exact(k
     cfg = EngineConfig(model="in-memory", mode="ssd", max_num_seqs=2, max_model_len=512, speculative_config=spec)
     engine = build(cfg, target, tokenizer=byte_tokenizer, draft=head)
     speculator = engine.drafter.speculator.speculator
-    engine.planner = Scripted([K, K] + [0] * 70 + [K] * 40)  # (70 off rounds: the aux rows fused on the way)
+    engine.planner = Scripted([K, K] + [0] * 70 + [K] * 40)
+    requests = []
+    propose = speculator.propose
+    speculator.propose = lambda rows: requests.extend(rows) or propose(rows)
     engine.add_request("a", [3, 1, 4, 1, 5, 9, 2, 6], SamplingParams(temperature=0.0, max_tokens=110,
                                                                     ignore_eos=True))
-    forwards, lookups, engine_lookups = [], [], []
-    out = []
+    forwards, lookups, sent, out = [], [], [], []
     while engine.has_unfinished():
-        before, n, counted = speculator.backend.forwards, speculator.stats.lookups, engine.stats.cache_lookups
+        before, n, m = speculator.backend.forwards, speculator.stats.lookups, len(requests)
         out += engine.step()
         forwards.append(speculator.backend.forwards - before)
         lookups.append(speculator.stats.lookups - n)
-        engine_lookups.append(engine.stats.cache_lookups - counted)
-    # round 2 looks up round 1's build, then nothing is built or looked up until round 72 drafts from the
-    # committed text (the backup: no lookup), which builds again for round 73's lookup
+        sent.append([(r.budget, r.rounds) for r in requests[m:]])
+    flushes = [r for r in range(2, 72) if sent[r]]
+    assert len(flushes) == 1 and sent[flushes[0]][0][0] == 0 and sent[flushes[0]][0][1] > 50
+    assert sent[72] == [(K, 72 - flushes[0])]  # the outcomes of rounds flush .. 71, merged
     assert forwards[1] > 0 and forwards[2:72] == [0] * 70 and forwards[72] > 0
-    assert lookups[2] == 1 and lookups[3:73] == [0] * 70 and lookups[73] == 1
-    # the engine counts neither round 2's lookup (its answer goes unused) nor a miss for round 72 (none was built)
-    assert engine_lookups[1:4] == [1, 0, 0] and engine_lookups[72:74] == [0, 1]
+    assert lookups[2:73] == [0] * 71 and lookups[73] == 1  # round 73 looks up what round 72's reply built
     assert out[-1].outputs[0].token_ids == reference_greedy(target, [3, 1, 4, 1, 5, 9, 2, 6], 110, eos=set())
+
+
+@pytest.mark.parametrize("kind", ["draft_model", "eagle3"])
+def test_ssd_after_planned_off_rounds_the_backup_drafts_what_a_fresh_draft_of_the_committed_text_drafts(
+        kind, byte_tokenizer):
+    target = make_tiny_llama(seed=4, num_layers=8)
+    head = eagle3_head_for(target, draft_vocab=257) if kind == "eagle3" else copy.deepcopy(target)
+    spec = SpeculativeConfig(method=kind, model="in-memory", num_speculative_tokens=K, fanout=[4],
+                             speculator="local")
+    cfg = EngineConfig(model="in-memory", mode="ssd", max_num_seqs=2, max_model_len=512, speculative_config=spec)
+    engine = build(cfg, target, tokenizer=byte_tokenizer, draft=head)
+    engine.planner = Scripted([K, K, K] + [0] * 9)
+    engine.add_request("a", [3, 1, 4, 1, 5, 9, 2, 6], SamplingParams(temperature=0.0, max_tokens=100,
+                                                                    ignore_eos=True))
+    for _ in range(12):  # three drafting rounds, then nine without
+        engine.step()
+    seq = engine.requests["a"]
+    lazy = engine.drafter.propose([seq], [K])[0].tokens
+
+    fresh = drafter_for(kind, target) if kind == "draft_model" else \
+        Eagle3Drafter(copy.deepcopy(head), num_slots=2, max_len=512)
+    if kind == "eagle3":
+        runner = ModelRunner(target, 1, 512, aux_layer_ids=fresh.aux_layer_ids)
+        aux = runner.forward(ForwardBatch.causal([seq.token_ids[:-1]], [0], [0], torch.float64, "cpu"),
+                             capture_aux=True, compute_logits=False).aux_hidden[0]
+    else:
+        aux = None
+    fresh.add_sequence(seq, aux)
+    assert fresh.propose([seq], [K])[0].tokens == lazy
+
+
+def test_ssd_auto_backup_drafts_a_probe_after_planned_off_rounds_with_the_draft(byte_tokenizer):
+    """Under ``backup: auto`` a miss may be answered by the n-gram lookup, but a probe after planned-off rounds
+    (nothing was built, nothing looked up) is drafted by the neural draft: the planner judges the draft by it."""
+    target = make_tiny_llama(seed=4, num_layers=8)
+    spec = SpeculativeConfig(method="eagle3", model="in-memory", num_speculative_tokens=K, fanout=[1],
+                             speculator="local", backup="auto")
+    cfg = EngineConfig(model="in-memory", mode="ssd", max_num_seqs=2, max_model_len=512, speculative_config=spec)
+    engine = build(cfg, target, tokenizer=byte_tokenizer, draft=eagle3_head_for(target, draft_vocab=257))
+    speculator = engine.drafter.speculator.speculator
+    speculator.choice.choose = lambda *args: "fast"  # the measured choice, pinned to the lookup
+    engine.planner = Scripted([K, K, K] + [0] * 6 + [K] * 40)
+    backups = []
+    propose = engine.drafter.propose
+    engine.drafter.propose = lambda seqs, budgets: [backups.append((p.cache_hit, p.backup)) or p
+                                                    for p in propose(seqs, budgets)]
+    engine.add_request("a", list(b"abcabcabc"), SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True))
+    while engine.has_unfinished():
+        engine.step()
+    assert backups[9] == (None, "neural")  # the probe after the off rounds
+    assert (False, "fast") in backups[1:3] + backups[10:]  # real misses go to the chosen backup

@@ -30,6 +30,8 @@ from ssd_eagle.ssd.worker import HEARTBEAT_INTERVAL, SpeculatorSettings, build_s
 
 log = logging.getLogger(__name__)
 
+FLUSH_ROWS = 64  # committed tokens of planned-off rounds gathered before they are sent (bounds their aux states)
+
 
 class LocalSpeculator:
     """The speculator in this process: propose, then build right away (no overlap).
@@ -247,7 +249,7 @@ class SSDDrafter(Drafter):
         self.name = draft_name
         self.healthy = True
         self.error: str | None = None
-        self._outcome: dict[str, tuple[int, int, torch.Tensor | None, list[int]]] = {}
+        self._outcome: dict[str, SpecRequest] = {}  # per request, its outcomes not sent yet (merged)
         self._registered: set[str] = set()
         self._sent: dict[str, int] = {}  # prompt tokens already sent of the sequences still prefilling
 
@@ -296,13 +298,20 @@ class SSDDrafter(Drafter):
             self._fail(err)
 
     def propose(self, seqs: list, num_tokens: list[int]) -> list[Proposal]:
-        rows = [i for i, s in enumerate(seqs) if s.request_id in self._registered]
+        """Rows the planner runs without speculation (``num_tokens`` 0) send nothing: their outcomes go, merged,
+        with the row's next request (:meth:`SpecRequest.merged`), or once ``FLUSH_ROWS`` tokens have gathered
+        (bounded memory; the speculator then commits them and builds nothing). A round where no row speculates
+        sends no message at all: the verifier does not wait for the speculator."""
+        rows = [i for i, s in enumerate(seqs) if s.request_id in self._registered and
+                (num_tokens[i] > 0 or self._outcome_tokens(s.request_id) >= FLUSH_ROWS)]
         if not self.healthy or not rows:
             return [Proposal([]) for _ in seqs]
         requests = []
         for i in rows:
-            k, bonus, aux, accepted = self._outcome.pop(seqs[i].request_id, (-1, 0, None, []))
-            requests.append(SpecRequest(seqs[i].slot, k, bonus, num_tokens[i], aux, accepted))
+            slot = seqs[i].slot
+            request = self._outcome.pop(seqs[i].request_id, None) or SpecRequest(slot, -1, 0, 0, None, [])
+            request.budget = num_tokens[i]
+            requests.append(request)
         try:
             replies = self.speculator.propose(requests)
         except t.SpeculatorUnavailable as err:
@@ -316,7 +325,13 @@ class SSDDrafter(Drafter):
     def on_verified(self, seq, num_accepted: int, aux) -> None:
         if seq.request_id in self._registered:
             accepted = seq.token_ids[-1 - num_accepted: -1] if num_accepted else []
-            self._outcome[seq.request_id] = (num_accepted, seq.token_ids[-1], aux, accepted)
+            outcome = SpecRequest(seq.slot, num_accepted, seq.token_ids[-1], 0, aux, accepted)
+            unsent = self._outcome.get(seq.request_id)
+            self._outcome[seq.request_id] = outcome if unsent is None else unsent.merged(outcome)
+
+    def _outcome_tokens(self, request_id: str) -> int:
+        unsent = self._outcome.get(request_id)
+        return 0 if unsent is None else unsent.num_accepted + 1
 
     def remove_sequence(self, seq) -> None:
         self._outcome.pop(seq.request_id, None)

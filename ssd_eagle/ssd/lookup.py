@@ -20,6 +20,10 @@ class SpecRequest:
         budget: most tokens the proposal may emit (chain length, or tree depth).
         aux: float [k + 1, 3 * H_target], aux states of the verified inputs now committed (EAGLE-3), else None.
         accepted: the k accepted tokens (needed for trees; for chains they are the proposal's first k).
+        rounds: the verification rounds this outcome spans. Rounds the verifier's planner ran without speculation
+            send nothing; their outcomes are merged into the next request's (``accepted``: every token committed
+            since the last request but the last, which is ``bonus``; ``aux`` covers them all). A merged outcome
+            (``rounds > 1``) is no lookup.
     """
 
     slot: int
@@ -28,6 +32,21 @@ class SpecRequest:
     budget: int
     aux: torch.Tensor | None = None
     accepted: list[int] | None = None
+    rounds: int = 1
+
+    def merged(self, later: SpecRequest) -> SpecRequest:
+        """This outcome followed by ``later``'s (the next round's), as one (``budget`` is ``later``'s).
+
+        Raises:
+            ValueError: a first-round row (``num_accepted == -1``) as ``later``."""
+        if later.num_accepted < 0:
+            raise ValueError("a later outcome needs num_accepted >= 0")
+        if self.num_accepted < 0:
+            return later
+        accepted = list(self.accepted or []) + [self.bonus] + list(later.accepted or [])
+        aux = None if self.aux is None else torch.cat([self.aux, later.aux])
+        return SpecRequest(self.slot, len(accepted), later.bonus, later.budget, aux, accepted,
+                           self.rounds + later.rounds)
 
 
 @dataclass

@@ -6,7 +6,7 @@ n_floats]`` and then the payloads as plain tensors (no pickling on the hot path)
 
     ADD       ints   [slot, seed, top_k, greedy, start, done, n, tokens[n]]   (token positions start .. start+n-1)
               floats [temperature, top_p, aux[(n - done) * W]]           (their aux states: EAGLE-3 only)
-    PROPOSE   ints   [rows, W, per row: slot, k, bonus, budget; then every row's k accepted tokens]
+    PROPOSE   ints   [rows, W, per row: slot, k, bonus, budget, rounds; then every row's k accepted tokens]
               floats [aux[(k + 1) * W] of every row with k >= 0]         (W = 0: no aux)
     REPLY     ints   [rows, n, support[n], per row: hit, lookup_k, fanout, power_micro, backup, m, has_q, is_tree,
               tokens[m], parents[m] if is_tree]   (backup: -1 from the cache, else its index in BACKUPS)
@@ -42,7 +42,7 @@ from ssd_eagle.drafters.base import Proposal
 from ssd_eagle.sampling_params import SamplingParams
 from ssd_eagle.ssd.backup import BACKUPS
 
-PROTOCOL_VERSION = 6  # 5: REPLY without the backup word; 4: REPLY with dense q, without fanout and r, and
+PROTOCOL_VERSION = 7  # 6: PROPOSE rows without rounds; 5: REPLY without the backup word; 4: REPLY with dense q, without fanout and r, and
 # (transport) header and payloads in separate sends; 3: STATS without interrupted builds and the fitted r;
 # 2: one ADD per sequence (no chunks); 1: the unversioned layout before this module (no aux width, float statistics)
 ADD, PROPOSE, REPLY, REMOVE, STATS, SHUTDOWN, ERROR = range(1, 8)
@@ -105,7 +105,7 @@ def encode_propose(requests: list) -> Message:
     width = auxes[0].shape[-1] if auxes else 0
     ints = [len(requests), width]
     for r in requests:
-        ints += [r.slot, r.num_accepted, r.bonus, r.budget]
+        ints += [r.slot, r.num_accepted, r.bonus, r.budget, r.rounds]
     for r in requests:
         ints += list(r.accepted or [])
     floats = None  # (one row's aux goes as it is: the channel copies it into its frame, in the link's dtype)
@@ -121,16 +121,16 @@ def decode_propose(msg: Message, aux: bool = True) -> list:
 
     values = msg.ints.tolist()
     rows, width = values[:2]
-    fields = [values[2 + 4 * i: 6 + 4 * i] for i in range(rows)]
-    cursor, offset, requests, with_aux = 2 + 4 * rows, 0, [], aux
-    for slot, k, bonus, budget in fields:
+    fields = [values[2 + 5 * i: 7 + 5 * i] for i in range(rows)]
+    cursor, offset, requests, with_aux = 2 + 5 * rows, 0, [], aux
+    for slot, k, bonus, budget, rounds in fields:
         aux = None
         if with_aux and width and k >= 0:
             aux = msg.floats[offset: offset + (k + 1) * width].clone().view(k + 1, width)
             offset += (k + 1) * width
         accepted = values[cursor: cursor + max(k, 0)]
         cursor += max(k, 0)
-        requests.append(SpecRequest(slot, k, bonus, budget, aux, accepted))
+        requests.append(SpecRequest(slot, k, bonus, budget, aux, accepted, rounds))
     return requests
 
 

@@ -20,11 +20,12 @@ chain the accepted tokens are ``s_1..s_k``, so the key is the paper's ``(k, bonu
    running when the next outcome arrives stops before its next forward, and that outcome is answered at once
    from what is complete (a branch enters the cache only once drafted to the end), else by the backup.
 
-A round the verifier's planner runs without speculation (budget 0: :mod:`ssd_eagle.planner`) is committed and
-answered with an empty proposal, and builds nothing: the speculator idles while the target verifies, so the next
-message is answered at once, and the tokens committed meanwhile are fed by the next backup draft (a probe, or
-speculation back on), as :meth:`~ssd_eagle.drafters.neural.NeuralDrafter.catch_up` does in SD. Their aux states are
-fused every ``FUSE_ROWS`` rows (bounded memory).
+Rounds the verifier's planner runs without speculation (:mod:`ssd_eagle.planner`) reach the speculator merged into
+the next request (``SpecRequest.rounds > 1``: no lookup), or as a request with budget 0 (committed, answered with an
+empty proposal, nothing built). Either way the speculator idles meanwhile, and the tokens committed are fed by the
+next backup draft (a probe, or speculation back on; under ``backup: auto`` the neural one), as
+:meth:`~ssd_eagle.drafters.neural.NeuralDrafter.catch_up` does in SD. Their aux states are fused every ``FUSE_ROWS``
+rows (bounded memory).
 
 Fan-out: chains use F_0..F_K by depth (uniform or geometric, :mod:`ssd_eagle.ssd.fanout`); trees spread the budget
 B over nodes by the measured P(the outcome lands at u) x P(bonus rank f there) (:mod:`ssd_eagle.ssd.branch_trees`,
@@ -199,7 +200,9 @@ class Speculator:
                 self._fuse([seq])
         if misses:
             rows = [self.seqs[requests[i].slot] for i in misses]
-            backup, drafts = self._backup(rows, [requests[i].budget for i in misses], len(requests) - len(misses))
+            looked_up = any(lookups[i] for i in misses)
+            backup, drafts = self._backup(rows, [requests[i].budget for i in misses], len(requests) - len(misses),
+                                          looked_up)
             for i, seq, draft in zip(misses, rows, drafts):
                 replies[i] = self._reply(seq, draft, lookups[i], backup, requests[i].budget)
         return replies
@@ -209,17 +212,17 @@ class Speculator:
         return tuple(accepted), req.bonus
 
     def _commit(self, seq: _Seq, req: SpecRequest) -> bool | None:
-        """Apply the verifier's outcome; return whether the speculation cache holds it (None: the last round was
-        planned off, so nothing was built to look up)."""
+        """Apply the verifier's outcome; return whether the speculation cache holds it (None: nothing was built to
+        look up: no proposal yet, a proposal for a planned-off round, or an outcome merged over several rounds)."""
         path, bonus = self._key(seq, req)
         proposal = seq.proposal
         seq.token_ids.extend(list(path) + [bonus])
         if self.backend.needs_aux:  # fused later (_fuse), off the hit path: a hit replies with no draft work
             seq.raw.append(req.aux)
-        elif proposal is not None and seq.fed:
+        elif proposal is not None and seq.fed and req.rounds == 1:
             # the accepted path is cached where it lies only for a chain (trees are fed again)
             seq.num_cached = seq.path_base + (len(path) if proposal.parents is None else 0)
-        if proposal is not None and seq.source is None:
+        if proposal is None or seq.source is None or req.rounds > 1:
             return None
         if seq.source is not None:
             self.choice.observe_tokens(seq.source, len(path) + 1)
@@ -286,18 +289,24 @@ class Speculator:
             seq.raw = []
 
     # backups
-    def _backup(self, rows: list[_Seq], budgets: list[int], hits: int) -> tuple[str, list[Proposal]]:
+    def _backup(self, rows: list[_Seq], budgets: list[int], hits: int,
+                looked_up: bool = True) -> tuple[str, list[Proposal]]:
         """The backup (under auto: chosen for ``hits`` cached rows and these misses) and its drafts for ``rows``,
-        timed. A planned-off round (budgets 0) drafts nothing: no choice, no timing."""
+        timed. A planned-off round (budgets 0) drafts nothing: no choice, no timing. Under auto, rows none of which
+        looked anything up (a sequence's first round, or a probe after planned-off rounds) are drafted by the
+        neural draft: the planner's probe measures the draft, not the n-gram lookup."""
         if not any(b > 0 for b in budgets):
             return ("fast" if self.backup == "auto" else self.backup), [Proposal([]) for _ in rows]
-        backup = self.backup if self.backup != "auto" else self.choice.choose(self.budget.verify_s, hits, len(rows))
+        backup = self.backup
+        if backup == "auto":
+            backup = self.choice.choose(self.budget.verify_s, hits, len(rows)) if looked_up else "neural"
         before = time.perf_counter()
         drafts = self.lookup.propose(rows, budgets) if backup == "fast" else self._neural_backup(rows, budgets)
         seconds = time.perf_counter() - before
-        self.choice.observe_backup(backup, seconds)
-        if backup == "neural":
-            self.budget.observe_backup(seconds)
+        if looked_up:  # (a draft that first catches up on skipped rounds is not what a miss costs)
+            self.choice.observe_backup(backup, seconds)
+            if backup == "neural":
+                self.budget.observe_backup(seconds)
         return backup, drafts
 
     def _neural_backup(self, rows: list[_Seq], budgets: list[int]) -> list[Proposal]:
