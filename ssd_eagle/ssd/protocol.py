@@ -167,15 +167,19 @@ def _q_support(proposals: list[Proposal]) -> tuple[torch.Tensor, list[torch.Tens
 def encode_reply(proposals: list[Proposal]) -> Message:
     found = _q_support(proposals)
     support, qs = found if found is not None else (None, [])
-    ints = [len(proposals), 0] if support is None else [len(proposals), support.numel(), *support.tolist()]
+    rows = []
     for p in proposals:
         is_tree = p.parents is not None
         power = None if p.fanout_power is None else round(p.fanout_power * 1e6)
         backup = None if p.backup is None else BACKUPS.index(p.backup)
-        ints += [_none_as(p.cache_hit), _none_as(p.lookup_k), _none_as(p.fanout), _none_as(power), _none_as(backup),
+        rows += [_none_as(p.cache_hit), _none_as(p.lookup_k), _none_as(p.fanout), _none_as(power), _none_as(backup),
                  len(p.tokens), int(p.q is not None), int(is_tree), *p.tokens, *(p.parents if is_tree else [])]
+    # the support (a draft vocabulary: thousands of ids) joins as a tensor, never as Python ints (0.75 -> 0.2 ms)
+    ints = torch.tensor([len(proposals), 0 if support is None else support.numel()] + rows, dtype=torch.long)
+    if support is not None:
+        ints = torch.cat([ints[:2], support.to(device="cpu", dtype=torch.long), ints[2:]])
     floats = torch.cat([q.reshape(-1).cpu() for q in qs]) if qs else None
-    return Message(REPLY, torch.tensor(ints, dtype=torch.long), floats)
+    return Message(REPLY, ints, floats)
 
 
 def decode_reply(msg: Message, vocab_size: int) -> list[Proposal]:
@@ -184,13 +188,14 @@ def decode_reply(msg: Message, vocab_size: int) -> list[Proposal]:
 
     Raises:
         ValueError: a support id outside [0, V) (a speculator serving another vocabulary)."""
-    values = msg.ints.tolist()
-    n = values[1]
+    num_rows, n = msg.ints[:2].tolist()
     support = msg.ints[2: 2 + n].clone()
-    if n and not 0 <= values[2] <= values[1 + n] < vocab_size:  # (encode_reply sorts it: first and last bound it)
-        raise ValueError(f"reply q support [{values[2]}, {values[1 + n]}] outside the vocabulary [0, {vocab_size})")
-    proposals, cursor, offset = [], 2 + n, 0
-    for _ in range(values[0]):
+    values = msg.ints[2 + n:].tolist()  # (the rows only: the support stays a tensor)
+    if n and not 0 <= int(support[0]) <= int(support[-1]) < vocab_size:  # (sorted: first and last bound it)
+        raise ValueError(f"reply q support [{int(support[0])}, {int(support[-1])}] outside the vocabulary "
+                         f"[0, {vocab_size})")
+    proposals, cursor, offset = [], 0, 0
+    for _ in range(num_rows):
         hit, lookup_k, fanout, power, backup, m, has_q, is_tree = values[cursor: cursor + 8]
         cursor += 8
         tokens = values[cursor: cursor + m]
