@@ -117,12 +117,13 @@ def _same_replies(a: list, b: list) -> bool:
                                     tensors_equal(x.q_ids, y.q_ids) for x, y in zip(a, b))
 
 
-@pytest.mark.parametrize("temperature", [0.0, 0.8])
-def test_peek_answers_a_plain_hit_as_propose_does_and_changes_nothing(temperature, target_and_head,
+@pytest.mark.parametrize("temperature,tree", [(0.0, 0), (0.8, 0), (0.0, 6)], ids=["greedy", "sampled", "tree"])
+def test_peek_answers_a_plain_hit_as_propose_does_and_changes_nothing(temperature, tree, target_and_head,
                                                                      byte_tokenizer):  # noqa: F811
-    """At T > 0 a hit's reply carries the cached chain's q: peek answers it too."""
+    """At T > 0 a hit's reply carries the cached chain's q, a tree hit its parents: peek answers them too."""
     target, head = target_and_head
-    engine = eagle_ssd_engine(target, head, byte_tokenizer, max_num_seqs=2)
+    engine = eagle_ssd_engine(target, head, byte_tokenizer, max_num_seqs=1 if tree else 2, tree=tree,
+                              fanout=(20,) if tree else (60,))  # (tree hits are rarer: one row at a time)
     speculator = engine.drafter.speculator.speculator
     propose = speculator.propose
     early = []
@@ -136,7 +137,8 @@ def test_peek_answers_a_plain_hit_as_propose_does_and_changes_nothing(temperatur
         replies = propose(requests)
         if peeked is not None:
             assert _same_replies(peeked, replies) and all(r.cache_hit for r in replies)
-            assert all((r.q is not None) == (temperature > 0) for r in replies)
+            assert all((r.q is not None) == (temperature > 0) and (r.parents is not None) == bool(tree)
+                       for r in replies)
             early.append(len(replies))
         else:
             assert not all(r.cache_hit for r in replies) or any(q.budget < speculator.K for q in requests)  # a miss,

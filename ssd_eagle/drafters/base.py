@@ -76,16 +76,23 @@ class Proposal:
         """Each node's parent (0 = the root), for a chain ``[0, 1, ..., k-1]``."""
         return self.parents if self.parents is not None else list(range(len(self.tokens)))
 
+    @property
+    def depth(self) -> int:
+        """Tokens on the longest root-to-node path: a chain's length, a tree's depth (0: no tokens)."""
+        if self.parents is None:
+            return len(self.tokens)
+        depth = [0]
+        for parent in self.parents:
+            depth.append(depth[parent] + 1)
+        return max(depth)
+
     def within(self, budget: int, max_nodes: int) -> Proposal:
         """The engine's guard against drafter bugs: a chain longer than ``budget`` is :meth:`cut`; a tree deeper
         than ``budget`` or larger than ``max_nodes`` is dropped (nothing may break max_tokens or max_model_len).
         The lookup fields (cache hit, fan-out, fitted r) are kept either way."""
         if self.parents is None:
             return self if len(self.tokens) <= budget else self.cut(budget)
-        depth = [0]
-        for parent in self.parents:
-            depth.append(depth[parent] + 1)
-        if max(depth) <= budget and len(self.tokens) <= max_nodes:
+        if self.depth <= budget and len(self.tokens) <= max_nodes:
             return self
         return replace(self, tokens=[], q=None, parents=None, hidden=None)
 

@@ -247,16 +247,17 @@ class Speculator:
         return hit
 
     def peek(self, requests: list[SpecRequest]) -> list[Proposal] | None:
-        """The replies :meth:`propose` will return for ``requests`` if every row hits a cached chain that fits its
-        budget (with its q at T > 0, as cached): computing them changes nothing and runs no torch op, so the reply
-        can go out before the round's bookkeeping (:func:`ssd_eagle.ssd.worker.serve`). None otherwise."""
+        """The replies :meth:`propose` will return for ``requests`` if every row hits a cached chain or tree that
+        fits its budget (a chain with its q at T > 0, as cached): computing them changes nothing and runs no torch
+        op, so the reply can go out before the round's bookkeeping (:func:`ssd_eagle.ssd.worker.serve`). None
+        otherwise."""
         replies = []
         for req in requests:
             seq = self.seqs.get(req.slot)
             if seq is None or req.num_accepted < 0 or (seq.proposal is None and req.accepted is None):
                 return None
             cached = seq.cache.get(self._key(seq, req))
-            if cached is None or cached.parents is not None or len(cached.tokens) > req.budget:
+            if cached is None or cached.depth > req.budget:
                 return None
             replies.append(self._reply_copy(cached, {"cache_hit": True, "lookup_k": req.num_accepted,
                                                      "fanout": len(seq.cache),
