@@ -250,3 +250,20 @@ def test_an_llm_that_built_its_engine_releases_it_when_collected_or_at_exit(tmp_
     gc.collect()
     process.join(timeout=10)
     assert not process.is_alive()
+
+
+@pytest.mark.parametrize("kind", ["draft_model", "eagle3"])
+def test_warm_up_leaves_no_sequence_and_a_fresh_speculator_shares_its_backend(kind):
+    """The speculator process warms its draft up on synthetic requests (ssd_eagle.ssd.worker.warm_up), then serves
+    a fresh speculator on the same backend: nothing of the warm-up (sequences, statistics) is left."""
+    from helpers import eagle3_head_for
+    from ssd_eagle.ssd.worker import SpeculatorSettings, build_speculator, warm_up
+
+    target = make_tiny_llama(seed=4, num_layers=2)
+    draft = eagle3_head_for(target, draft_vocab=100) if kind == "eagle3" else make_tiny_llama(seed=5, num_layers=1)
+    settings = SpeculatorSettings(kind, 3, [2, 2, 2, 2], None, "neural", 8, 1.0, (1, 4), 2, 256, vocab_size=257)
+    speculator = build_speculator(settings, draft)
+    warm_up(speculator, 257, 2, 256)
+    assert speculator.seqs == {} and speculator.stats.lookups > 0 and speculator.backend.forwards > 0
+    fresh = build_speculator(settings, draft, backend=speculator.backend)
+    assert fresh.backend is speculator.backend and fresh.stats.lookups == 0 and fresh.budget.verify_s is None

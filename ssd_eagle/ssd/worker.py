@@ -4,6 +4,8 @@ Started by :class:`~ssd_eagle.ssd.client.RemoteSpeculator` with ``torch.multipro
 verifier's two-rank link (:mod:`ssd_eagle.ssd.transport`; rank 1 there), pins itself to its own CPU cores or GPU,
 and serves until SHUTDOWN (messages: :mod:`ssd_eagle.ssd.protocol`). The draft model arrives as a module (its
 tensors in shared memory) and is moved to the speculator's device. Answering before building is what lets drafting overlap the target's verification.
+Before it joins, it warms its draft up on synthetic requests (:func:`warm_up`: 0.4 s for chains, 1.9 s for trees with
+the SmolLM2 head on one Xeon core), so that the first real request's hits do not wait for first-shape costs.
 
 From its first instruction to its end the process beats a heartbeat (:data:`HEARTBEAT_INTERVAL`): a daemon thread
 writes ``time.monotonic()`` (system-wide on Linux) into a shared double the verifier reads without a message, so a
@@ -12,6 +14,7 @@ process that is alive but not running (stopped, starved, stuck holding the GIL) 
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import time
@@ -21,6 +24,8 @@ import torch
 
 from ssd_eagle.ssd import protocol as p
 from ssd_eagle.ssd import transport as t
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -62,13 +67,16 @@ def beat(heartbeat, interval: float = HEARTBEAT_INTERVAL) -> None:
         time.sleep(interval)
 
 
-def build_speculator(settings: SpeculatorSettings, draft):
-    """The :class:`~ssd_eagle.ssd.speculator.Speculator` for a draft module (used in-process and in the worker)."""
+def build_speculator(settings: SpeculatorSettings, draft, backend=None):
+    """The :class:`~ssd_eagle.ssd.speculator.Speculator` for a draft module (used in-process and in the worker),
+    on a new draft backend or on ``backend`` (then ``draft`` is not used)."""
     from ssd_eagle.drafters.base import SaguaroSampling
     from ssd_eagle.drafters.backends import DraftLMBackend, Eagle3Backend
     from ssd_eagle.ssd.speculator import Speculator
 
-    if settings.kind == "eagle3":
+    if backend is not None:
+        pass
+    elif settings.kind == "eagle3":
         backend = Eagle3Backend(draft, settings.num_slots, settings.max_len, settings.cuda_graphs)
     elif settings.kind == "draft_model":
         backend = DraftLMBackend(draft, settings.num_slots, settings.max_len, settings.cuda_graphs)
@@ -86,6 +94,38 @@ def build_speculator(settings: SpeculatorSettings, draft):
                       settings.fanout_power)
 
 
+def warm_up(speculator, vocab_size: int, num_slots: int, max_len: int, rounds: int = 6,
+            prompt_tokens: int = 160) -> None:
+    """Drive synthetic requests (random tokens and, for EAGLE-3, random aux states; one greedy, one sampled when
+    there are two slots) through ``rounds`` rounds of propose and build, then remove them, so that the first real
+    request does not pay the draft's first-shape costs (oneDNN builds a kernel per new shape; allocator growth):
+    the first tree hit on a Xeon with AMX waited 187 ms, the next ones ~1 ms. It leaves ``speculator``'s statistics
+    and measured costs behind: serve a fresh :func:`build_speculator` on the same backend afterwards."""
+    from ssd_eagle.sampling_params import SamplingParams
+    from ssd_eagle.ssd.speculator import SpecRequest
+
+    backend = speculator.backend
+    gen = torch.Generator().manual_seed(0)
+    prompt_tokens = min(prompt_tokens, max_len // 2)  # (room for the rounds and their branches)
+    slots = range(min(2, num_slots))
+    width = backend.head.fc.in_features if backend.needs_aux else 0
+    for slot in slots:
+        tokens = torch.randint(0, vocab_size, (prompt_tokens,), generator=gen).tolist()
+        aux = torch.randn(prompt_tokens - 1, width, generator=gen).to(backend.dtype) if width else None
+        speculator.add(slot, tokens, SamplingParams(temperature=0.0 if slot == 0 else 1.0), seed=slot, aux=aux)
+    request = {slot: SpecRequest(slot, -1, 0, speculator.K) for slot in slots}
+    for _ in range(rounds):
+        replies = speculator.propose(list(request.values()))
+        speculator.build()
+        for slot, reply in zip(slots, replies):
+            k = min(1, len(reply.tokens))  # (one draft accepted when there is one: a hit path and a miss path)
+            bonus = int(torch.randint(0, vocab_size, (1,), generator=gen))
+            aux = torch.randn(k + 1, width, generator=gen).to(backend.dtype) if width else None
+            request[slot] = SpecRequest(slot, k, bonus, speculator.K, aux, reply.tokens[:k])
+    for slot in slots:
+        speculator.remove(slot)
+
+
 def worker_main(settings: SpeculatorSettings, draft, startup_timeout: float = 300.0, heartbeat=None) -> None:
     """Entry point of the speculator process; ``heartbeat``: a shared double (``multiprocessing.RawValue("d")``)
     beaten every :data:`HEARTBEAT_INTERVAL` s from a daemon thread, or None."""
@@ -97,10 +137,15 @@ def worker_main(settings: SpeculatorSettings, draft, startup_timeout: float = 30
     device = torch.device(settings.device)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    store = t.open_store(settings.store_port, startup_timeout)
-    group = t.pair_group(store, t.SPECULATOR, settings.dist_backend, startup_timeout)
     draft = draft.to(device)
     speculator = build_speculator(settings, draft)
+    try:  # (before joining: the verifier waits for it)
+        warm_up(speculator, settings.vocab_size, settings.num_slots, settings.max_len)
+    except Exception as err:  # noqa: BLE001 - a failed warm-up only leaves the first-shape costs to the first request
+        log.warning("the speculator's warm-up failed (%s); serving without it", err)
+    speculator = build_speculator(settings, draft, backend=speculator.backend)  # (the warm-up's statistics dropped)
+    store = t.open_store(settings.store_port, startup_timeout)
+    group = t.pair_group(store, t.SPECULATOR, settings.dist_backend, startup_timeout)
     channel = t.Channel(group, t.VERIFIER, settings.float_dtype, "cpu" if settings.dist_backend == "gloo" else device,
                         spin=t.SPIN_SECONDS if settings.cpus else 0.0)  # (pinned: this core is the speculator's)
     serve(speculator, channel, [])
