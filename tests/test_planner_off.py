@@ -63,6 +63,27 @@ def count_writes(drafter) -> list[int]:
     return sizes
 
 
+def fresh_proposal(kind: str, target, seq) -> list[int]:
+    """What a draft with the same weights, prefilled from scratch with ``seq``'s committed text, proposes."""
+    fresh = drafter_for(kind, target)  # (a copy of the target, or the same seeded head)
+    aux = None
+    if kind == "eagle3":
+        runner = ModelRunner(target, 1, 512, aux_layer_ids=fresh.aux_layer_ids)
+        aux = runner.forward(ForwardBatch.causal([seq.token_ids[:-1]], [0], [0], torch.float64, "cpu"),
+                             capture_aux=True, compute_logits=False).aux_hidden[0]
+    fresh.add_sequence(seq, aux)
+    return fresh.propose([seq], [K])[0].tokens
+
+
+def ssd_engine_for(kind: str, target, tokenizer, **spec) -> LLMEngine:
+    """An SSD engine with an in-process speculator over the draft :func:`drafter_for` builds."""
+    draft = eagle3_head_for(target, draft_vocab=257) if kind == "eagle3" else copy.deepcopy(target)
+    spec = SpeculativeConfig(**{"method": kind, "model": "in-memory", "num_speculative_tokens": K, "fanout": [4],
+                                "speculator": "local", **spec})
+    cfg = EngineConfig(model="in-memory", mode="ssd", max_num_seqs=2, max_model_len=512, speculative_config=spec)
+    return build(cfg, target, tokenizer=tokenizer, draft=draft)
+
+
 @pytest.mark.parametrize("kind", ["draft_model", "eagle3"])
 @pytest.mark.parametrize("budget", [512, 6], ids=["one-feed", "chunked"])
 def test_speculation_off_and_on_mid_request_keeps_greedy_output_and_costs_no_draft_work_while_off(
@@ -115,16 +136,7 @@ def test_after_the_catch_up_the_draft_proposes_what_a_fresh_draft_of_the_committ
         engine.step()
     seq = engine.requests["a"]
     lazy = type(drafter).propose(drafter, [seq], [K])[0].tokens
-
-    fresh = drafter_for(kind, target)  # the same weights (a copy of the target, or the same seeded head)
-    if kind == "eagle3":
-        runner = ModelRunner(target, 1, 512, aux_layer_ids=drafter.aux_layer_ids)
-        aux = runner.forward(ForwardBatch.causal([seq.token_ids[:-1]], [0], [0], torch.float64, "cpu"),
-                             capture_aux=True, compute_logits=False).aux_hidden[0]
-    else:
-        aux = None
-    fresh.add_sequence(seq, aux)
-    assert fresh.propose([seq], [K])[0].tokens == lazy
+    assert fresh_proposal(kind, target, seq) == lazy
 
 
 def test_the_catch_up_is_not_learnt_as_drafting_cost_but_spaces_the_probes(byte_tokenizer):
@@ -191,11 +203,7 @@ def test_ssd_rounds_planned_off_send_nothing_build_nothing_and_speculation_comes
     nothing for them; the first round back brings the merged outcomes (no lookup) and drafts from the committed
     text, and the output stays the target's greedy decode."""
     target = make_tiny_llama(seed=4, num_layers=8)
-    head = eagle3_head_for(target, draft_vocab=257) if kind == "eagle3" else copy.deepcopy(target)
-    spec = SpeculativeConfig(method=kind, model="in-memory", num_speculative_tokens=K, fanout=[4],
-                             speculator="local")
-    cfg = EngineConfig(model="in-memory", mode="ssd", max_num_seqs=2, max_model_len=512, speculative_config=spec)
-    engine = build(cfg, target, tokenizer=byte_tokenizer, draft=head)
+    engine = ssd_engine_for(kind, target, byte_tokenizer)
     speculator = engine.drafter.speculator.speculator
     engine.planner = Scripted([K, K] + [0] * 70 + [K] * 40)
     requests = []
@@ -222,39 +230,21 @@ def test_ssd_rounds_planned_off_send_nothing_build_nothing_and_speculation_comes
 def test_ssd_after_planned_off_rounds_the_backup_drafts_what_a_fresh_draft_of_the_committed_text_drafts(
         kind, byte_tokenizer):
     target = make_tiny_llama(seed=4, num_layers=8)
-    head = eagle3_head_for(target, draft_vocab=257) if kind == "eagle3" else copy.deepcopy(target)
-    spec = SpeculativeConfig(method=kind, model="in-memory", num_speculative_tokens=K, fanout=[4],
-                             speculator="local")
-    cfg = EngineConfig(model="in-memory", mode="ssd", max_num_seqs=2, max_model_len=512, speculative_config=spec)
-    engine = build(cfg, target, tokenizer=byte_tokenizer, draft=head)
+    engine = ssd_engine_for(kind, target, byte_tokenizer)
     engine.planner = Scripted([K, K, K] + [0] * 9)
     engine.add_request("a", [3, 1, 4, 1, 5, 9, 2, 6], SamplingParams(temperature=0.0, max_tokens=100,
                                                                     ignore_eos=True))
     for _ in range(12):  # three drafting rounds, then nine without
         engine.step()
     seq = engine.requests["a"]
-    lazy = engine.drafter.propose([seq], [K])[0].tokens
-
-    fresh = drafter_for(kind, target) if kind == "draft_model" else \
-        Eagle3Drafter(copy.deepcopy(head), num_slots=2, max_len=512)
-    if kind == "eagle3":
-        runner = ModelRunner(target, 1, 512, aux_layer_ids=fresh.aux_layer_ids)
-        aux = runner.forward(ForwardBatch.causal([seq.token_ids[:-1]], [0], [0], torch.float64, "cpu"),
-                             capture_aux=True, compute_logits=False).aux_hidden[0]
-    else:
-        aux = None
-    fresh.add_sequence(seq, aux)
-    assert fresh.propose([seq], [K])[0].tokens == lazy
+    assert fresh_proposal(kind, target, seq) == engine.drafter.propose([seq], [K])[0].tokens
 
 
 def test_ssd_auto_backup_drafts_a_probe_after_planned_off_rounds_with_the_draft(byte_tokenizer):
     """Under ``backup: auto`` a miss may be answered by the n-gram lookup, but a probe after planned-off rounds
     (nothing was built, nothing looked up) is drafted by the neural draft: the planner judges the draft by it."""
     target = make_tiny_llama(seed=4, num_layers=8)
-    spec = SpeculativeConfig(method="eagle3", model="in-memory", num_speculative_tokens=K, fanout=[1],
-                             speculator="local", backup="auto")
-    cfg = EngineConfig(model="in-memory", mode="ssd", max_num_seqs=2, max_model_len=512, speculative_config=spec)
-    engine = build(cfg, target, tokenizer=byte_tokenizer, draft=eagle3_head_for(target, draft_vocab=257))
+    engine = ssd_engine_for("eagle3", target, byte_tokenizer, fanout=[1], backup="auto")
     speculator = engine.drafter.speculator.speculator
     speculator.choice.choose = lambda *args: "fast"  # the measured choice, pinned to the lookup
     engine.planner = Scripted([K, K, K] + [0] * 6 + [K] * 40)
