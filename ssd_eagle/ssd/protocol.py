@@ -42,9 +42,10 @@ from ssd_eagle.drafters.base import Proposal
 from ssd_eagle.sampling_params import SamplingParams
 from ssd_eagle.ssd.backup import BACKUPS
 
-PROTOCOL_VERSION = 7  # 6: PROPOSE rows without rounds; 5: REPLY without the backup word; 4: REPLY with dense q, without fanout and r, and
-# (transport) header and payloads in separate sends; 3: STATS without interrupted builds and the fitted r;
-# 2: one ADD per sequence (no chunks); 1: the unversioned layout before this module (no aux width, float statistics)
+PROTOCOL_VERSION = 7  # 6: PROPOSE rows without rounds; 5: REPLY without the backup word; 4: REPLY with dense q,
+# without fanout and r, and (transport) header and payloads in separate sends; 3: STATS without interrupted builds
+# and the fitted r; 2: one ADD per sequence (no chunks); 1: the unversioned layout before this module (no aux
+# width, float statistics)
 ADD, PROPOSE, REPLY, REMOVE, STATS, SHUTDOWN, ERROR = range(1, 8)
 
 

@@ -224,8 +224,7 @@ class Speculator:
             seq.num_cached = seq.path_base + (len(path) if proposal.parents is None else 0)
         if proposal is None or seq.source is None or req.rounds > 1:
             return None
-        if seq.source is not None:
-            self.choice.observe_tokens(seq.source, len(path) + 1)
+        self.choice.observe_tokens(seq.source, len(path) + 1)
         cands = seq.candidates.get(path)
         if cands is not None:
             self.stats.bonus_ranks.append(cands.index(bonus) if bonus in cands else -1)

@@ -3,9 +3,10 @@
 Started by :class:`~ssd_eagle.ssd.client.RemoteSpeculator` with ``torch.multiprocessing`` (spawn). It joins the
 verifier's two-rank link (:mod:`ssd_eagle.ssd.transport`; rank 1 there), pins itself to its own CPU cores or GPU,
 and serves until SHUTDOWN (messages: :mod:`ssd_eagle.ssd.protocol`). The draft model arrives as a module (its
-tensors in shared memory) and is moved to the speculator's device. Answering before building is what lets drafting overlap the target's verification.
-Before it joins, it warms its draft up on synthetic requests (:func:`warm_up`: 0.4 s for chains, 1.9 s for trees with
-the SmolLM2 head on one Xeon core), so that the first real request's hits do not wait for first-shape costs.
+tensors in shared memory) and is moved to the speculator's device. Answering before building is what lets drafting
+overlap the target's verification. Before it joins, it warms its draft up on synthetic requests (:func:`warm_up`:
+0.4 s for chains, 1.9 s for trees with the SmolLM2 head on one Xeon core), so that the first real request's hits do
+not wait for first-shape costs.
 
 From its first instruction to its end the process beats a heartbeat (:data:`HEARTBEAT_INTERVAL`): a daemon thread
 writes ``time.monotonic()`` (system-wide on Linux) into a shared double the verifier reads without a message, so a
@@ -74,14 +75,11 @@ def build_speculator(settings: SpeculatorSettings, draft, backend=None):
     from ssd_eagle.drafters.backends import DraftLMBackend, Eagle3Backend
     from ssd_eagle.ssd.speculator import Speculator
 
-    if backend is not None:
-        pass
-    elif settings.kind == "eagle3":
-        backend = Eagle3Backend(draft, settings.num_slots, settings.max_len, settings.cuda_graphs)
-    elif settings.kind == "draft_model":
-        backend = DraftLMBackend(draft, settings.num_slots, settings.max_len, settings.cuda_graphs)
-    else:
+    if settings.kind not in ("eagle3", "draft_model"):
         raise ValueError(f"SSD needs a neural draft ('draft_model' or 'eagle3'), got {settings.kind!r}")
+    if backend is None:
+        kind = Eagle3Backend if settings.kind == "eagle3" else DraftLMBackend
+        backend = kind(draft, settings.num_slots, settings.max_len, settings.cuda_graphs)
     from ssd_eagle.drafters.tree import TreeSettings
 
     saguaro = SaguaroSampling(settings.saguaro_c, tuple(settings.fanout)) if settings.saguaro_c < 1.0 else None
