@@ -113,9 +113,10 @@ def test_auto_drops_a_slow_neural_backup_keeps_a_cheap_one_and_stays_lossless(sl
     speculator.budget.observe_verify(20e-3 if slow else 0.5)  # (an in-process speculator measures no verification)
     if slow:
         speculator._neural_backup = SlowBackup(speculator._neural_backup, 0.3)
-    greedy_with_hits_and_misses(engine, target, random_prompts(4, seed=2), max_tokens=32)
+    # (a choice is made on misses after a lookup only: a first round is the draft's anyway)
+    greedy_with_hits_and_misses(engine, target, random_prompts(4, seed=2), max_tokens=48)
     chosen, stats = speculator.choice.chosen, engine.stats
-    assert sum(chosen.values()) >= 10, chosen  # (misses after a lookup: a first round is the draft's anyway)
+    assert sum(chosen.values()) >= 12, chosen
     if slow:
         assert chosen["fast"] >= 3 * chosen["neural"], speculator.choice.summary()
         assert stats.rounds_on_fast_backup >= 0.7 * stats.rounds_on_miss
