@@ -263,7 +263,7 @@ def test_warm_up_leaves_no_sequence_and_a_fresh_speculator_shares_its_backend(ki
     draft = eagle3_head_for(target, draft_vocab=100) if kind == "eagle3" else make_tiny_llama(seed=5, num_layers=1)
     settings = SpeculatorSettings(kind, 3, [2, 2, 2, 2], None, "neural", 8, 1.0, (1, 4), 2, 256, vocab_size=257)
     speculator = build_speculator(settings, draft)
-    warm_up(speculator, 257, 2, 256)
+    warm_up(speculator)
     assert speculator.seqs == {} and speculator.stats.lookups > 0 and speculator.backend.forwards > 0
     fresh = build_speculator(settings, draft, backend=speculator.backend)
     assert fresh.backend is speculator.backend and fresh.stats.lookups == 0 and fresh.budget.verify_s is None

@@ -92,8 +92,7 @@ def build_speculator(settings: SpeculatorSettings, draft, backend=None):
                       settings.fanout_power)
 
 
-def warm_up(speculator, vocab_size: int, num_slots: int, max_len: int, rounds: int = 6,
-            prompt_tokens: int = 160) -> None:
+def warm_up(speculator, rounds: int = 6, prompt_tokens: int = 160) -> None:
     """Drive synthetic requests (random tokens and, for EAGLE-3, random aux states; one greedy, one sampled when
     there are two slots) through ``rounds`` rounds of propose and build, then remove them, so that the first real
     request does not pay the draft's first-shape costs (oneDNN builds a kernel per new shape; allocator growth):
@@ -103,9 +102,10 @@ def warm_up(speculator, vocab_size: int, num_slots: int, max_len: int, rounds: i
     from ssd_eagle.ssd.speculator import SpecRequest
 
     backend = speculator.backend
+    vocab_size = backend.vocab_size
     gen = torch.Generator().manual_seed(0)
-    prompt_tokens = min(prompt_tokens, max_len // 2)  # (room for the rounds and their branches)
-    slots = range(min(2, num_slots))
+    prompt_tokens = min(prompt_tokens, backend.kv.max_len // 2)  # (room for the rounds and their branches)
+    slots = range(min(2, backend.kv.num_slots - 1))  # (the last slot is the backend's scratch)
     width = backend.head.fc.in_features if backend.needs_aux else 0
     for slot in slots:
         tokens = torch.randint(0, vocab_size, (prompt_tokens,), generator=gen).tolist()
@@ -138,7 +138,7 @@ def worker_main(settings: SpeculatorSettings, draft, startup_timeout: float = 30
     draft = draft.to(device)
     speculator = build_speculator(settings, draft)
     try:  # (before joining: the verifier waits for it)
-        warm_up(speculator, settings.vocab_size, settings.num_slots, settings.max_len)
+        warm_up(speculator)
     except Exception as err:  # noqa: BLE001 - a failed warm-up only leaves the first-shape costs to the first request
         log.warning("the speculator's warm-up failed (%s); serving without it", err)
     speculator = build_speculator(settings, draft, backend=speculator.backend)  # (the warm-up's statistics dropped)
