@@ -145,3 +145,25 @@ def test_logits_leave_the_runner_and_the_head_in_float32_with_the_same_values():
     assert full.dtype == torch.float32
     assert torch.equal(full.argmax(-1), head.draft_to_target(draft.to(torch.bfloat16).argmax(-1)))
     assert upcast_logits(torch.ones(2, dtype=torch.float16)).dtype == torch.float32
+
+
+def test_feature_labels_are_the_bf16_targets_served_greedy_tokens():
+    """Offline features label each position with the token a bf16 target serves (its output layer in bf16, then
+    the argmax), not a float32 product that differs at near ties. The random rows make near ties common."""
+    from ssd_eagle.kv_cache import ForwardBatch
+    from ssd_eagle.model_runner import ModelRunner
+    from train.features import TargetFeatureExtractor, lm_head_argmax
+
+    target = make_tiny_llama(num_layers=4, seed=1).to(torch.bfloat16)
+    ids = torch.randint(3, target.config.vocab_size, (96,), generator=torch.Generator().manual_seed(0)).tolist()
+    ex = TargetFeatureExtractor(target, None, max_batch=1, max_len=128)
+    labels = ex([{"input_ids": ids, "loss_mask": [1] * len(ids)}]).argmax[0]
+    runner = ModelRunner(target, num_slots=1, max_len=128)
+    served = runner.forward(ForwardBatch.causal([ids], [0], [0], torch.bfloat16, "cpu")).logits[0].argmax(-1)
+    assert torch.equal(labels, served)
+
+    hidden = torch.randn(512, 64, generator=torch.Generator().manual_seed(1)).bfloat16()
+    weight = torch.randn(4000, 64, generator=torch.Generator().manual_seed(2)).bfloat16()
+    bf16 = lm_head_argmax(hidden, weight, chunk=100)
+    assert torch.equal(bf16, (hidden @ weight.T).float().argmax(-1))
+    assert not torch.equal(bf16, (hidden.float() @ weight.float().T).argmax(-1))  # the float32 product differs

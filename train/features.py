@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from safetensors import safe_open
 from safetensors.torch import save_file
 from tqdm.auto import tqdm
@@ -34,6 +35,7 @@ from tqdm.auto import tqdm
 from ssd_eagle.io import atomic_write
 from ssd_eagle.kv_cache import ForwardBatch
 from ssd_eagle.model_runner import ModelRunner
+from ssd_eagle.sampling import upcast_logits
 
 FEATURES_FORMAT = "ssd_eagle.features/v1"
 # index metadata that must agree between the runs of one directory
@@ -93,10 +95,17 @@ def pad_batch(samples: Sequence[dict]) -> tuple[torch.Tensor, torch.Tensor, torc
 
 @torch.no_grad()
 def lm_head_argmax(hidden: torch.Tensor, lm_head_weight: torch.Tensor, chunk: int = 1024) -> torch.Tensor:
-    """Greedy token of ``hidden`` [..., H] under the output layer [V, H], ``chunk`` rows at a time (float32)."""
-    flat = hidden.reshape(-1, hidden.shape[-1]).float()
-    w = lm_head_weight.float()
-    out = torch.cat([(flat[i:i + chunk] @ w.T).argmax(-1) for i in range(0, flat.shape[0], chunk)])
+    """Greedy token of ``hidden`` [..., H] under the output layer [V, H], ``chunk`` rows at a time.
+
+    Computed as the serving engine computes its logits (:meth:`ModelRunner.forward`: the output layer in the model's
+    dtype, then :func:`~ssd_eagle.sampling.upcast_logits`), so a bf16 target's label is the token it would serve.
+    Returns int64 ``hidden.shape[:-1]``. A float32 product used to be taken here: it disagreed with the bf16 serving
+    argmax at near ties and cost 2.2x (417 vs 193 ms for 600 rows of SmolLM2's 49152 x 576 layer, one thread, Xeon
+    with AMX).
+    """
+    flat = hidden.reshape(-1, hidden.shape[-1]).to(lm_head_weight.dtype)
+    out = torch.cat([upcast_logits(F.linear(flat[i:i + chunk], lm_head_weight)).argmax(-1)
+                     for i in range(0, flat.shape[0], chunk)])
     return out.view(hidden.shape[:-1])
 
 
