@@ -190,3 +190,96 @@ def test_land_probabilities_of_a_head_with_an_unsorted_vocabulary():
     want = draft_land_probabilities(dense, nodes, proposal.tokens)
     got = draft_land_probabilities(logits, nodes, proposal.tokens, vocab)
     assert got == pytest.approx(want, rel=1e-6)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# a draft LM with a draft vocabulary (``ssd_eagle.draft_vocab`` in its config)
+
+def draft_lm_with_vocab(target, ids: list[int]):
+    from ssd_eagle.models.draft_lm import draft_vocab_ids
+
+    draft = make_tiny_llama(vocab_size=V, seed=9, num_layers=2, max_positions=256)
+    draft.config.ssd_eagle = {"draft_vocab": ids}
+    assert draft_vocab_ids(draft.config).tolist() == ids
+    return draft
+
+
+def masked_to_vocab(backend, ids: torch.Tensor):
+    """The reference: the whole output layer, every logit off ``ids`` set to -inf, no column map."""
+    run = backend.run
+
+    def run_masked(batch, features=None, logits_index=None):
+        logits, out = run(batch, features, logits_index)
+        masked = torch.full_like(logits, float("-inf"))
+        masked[..., ids] = logits[..., ids]
+        return masked, out
+
+    backend.run = run_masked
+    return backend
+
+
+DRAFT_IDS = sorted(torch.randperm(V, generator=torch.Generator().manual_seed(3))[:D].tolist())
+
+
+@pytest.mark.parametrize("params", PARAMS, ids=["greedy", "t0.9", "topk-topp"])
+@pytest.mark.parametrize("tree", [None, TreeSettings(6, K, 2)], ids=["chain", "tree"])
+def test_a_draft_lm_drafts_over_its_recorded_vocabulary(target_and_head, params, tree):
+    from ssd_eagle.drafters.backends import DraftLMBackend
+
+    draft = draft_lm_with_vocab(target_and_head[0], DRAFT_IDS)
+    new = DraftLMBackend(draft, 1, 256, fixed_shapes=False)
+    assert new.vocab.tolist() == DRAFT_IDS and new.runner.lm_head.weight.shape == (D, 64)
+    del draft.config.ssd_eagle
+    ref = masked_to_vocab(DraftLMBackend(draft, 1, 256, fixed_shapes=False), torch.tensor(DRAFT_IDS))
+    assert ref.vocab is None
+    drafts = []
+    for backend in (new, ref):
+        backend.prefill(0, COMMITTED)
+        seq = SimpleNamespace(slot=0, token_ids=COMMITTED, params=params,
+                              draft_generator=torch.Generator().manual_seed(7))
+        drafts.append(draft_from_committed(backend, [seq], [len(COMMITTED) - 1], [None], [K], None, tree)[0])
+    got, want = drafts
+    assert got.tokens == want.tokens and set(got.tokens) <= set(DRAFT_IDS)
+    if want.q is not None:
+        torch.testing.assert_close(got.dense_q(V), want.q, rtol=1e-12, atol=1e-15)
+
+
+def test_seeded_sd_outputs_of_a_draft_lm_with_a_vocabulary_equal_the_masked_reference(target_and_head,
+                                                                                      byte_tokenizer):
+    """The rejection test reads the draft LM's q over its columns: a seeded T = 1 request gives the tokens it gives
+    with the masked whole-vocabulary draft; at T = 0 the output is the target's greedy decode."""
+    from ssd_eagle.drafters.draft_model import DraftModelDrafter
+
+    target = target_and_head[0]
+    prompts = [[7, 7, 1, 2, 3, 9], [4, 4, 8, 1]]
+    outs = {}
+    for name in ("vocab", "masked"):
+        draft = draft_lm_with_vocab(target, DRAFT_IDS)
+        if name == "masked":
+            del draft.config.ssd_eagle
+        drafter = DraftModelDrafter(draft, V, num_slots=2, max_len=256)
+        if name == "masked":
+            masked_to_vocab(drafter.backend, torch.tensor(DRAFT_IDS))
+        engine = LLMEngine(target, byte_tokenizer, drafter, num_speculative_tokens=K, max_num_seqs=2,
+                           max_model_len=256)
+        llm = LLM(engine=engine)
+        outs[name] = [o.token_ids for o in llm.generate(
+            prompts, SamplingParams(temperature=1.0, max_tokens=24, seed=11, ignore_eos=True))]
+        if name == "vocab":
+            greedy = [o.token_ids for o in llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=16,
+                                                                                ignore_eos=True))]
+    assert outs["vocab"] == outs["masked"]
+    with torch.no_grad():
+        for prompt, got in zip(prompts, greedy):
+            want = target.generate(torch.tensor([prompt]), max_new_tokens=16, do_sample=False,
+                                   eos_token_id=None)[0, len(prompt):].tolist()
+            assert got == want
+
+
+def test_a_malformed_draft_vocabulary_is_refused():
+    from ssd_eagle.models.draft_lm import draft_vocab_ids
+
+    for ids in ([3, 2], [0, V], [-1, 4], []):
+        config = SimpleNamespace(vocab_size=V, ssd_eagle={"draft_vocab": ids})
+        with pytest.raises(ValueError, match="draft_vocab"):
+            draft_vocab_ids(config)

@@ -253,9 +253,21 @@ def test_draft_lm_zero3_plain_compact_and_materialized_exports(tiny, tmp_path):
     ssd_draft = load_draft(spec, trainer.target)
     for k, v in ssd_draft.state_dict().items():
         assert torch.equal(v, state[k]), k
+    # every layout records the draft vocabulary (the run's most frequent assistant tokens: at most 24, here the
+    # 14 the tiny data has), and the engine's drafter scores only those rows
+    from train.vocab import load_token_counts, most_frequent_ids
+
+    counts, _ = load_token_counts(out / "token_counts.json")
+    vocab = most_frequent_ids(counts, 24).sort().values.tolist()
+    assert 0 < len(vocab) <= 24
+    for folder in (plain, compact, plain2):
+        assert json.loads((folder / "config.json").read_text())["ssd_eagle"]["draft_vocab"] == vocab, folder
+    card = (compact / "README.md").read_text()
+    assert f"draft vocabulary: ssd-eagle drafts over the {len(vocab)} most frequent" in card
     target, tokenizer = trainer.target, trainer.tokenizer
-    engine = LLMEngine(target, tokenizer, build_drafter(spec, target, 1, 256), num_speculative_tokens=3,
-                       max_num_seqs=1, max_model_len=256)
+    drafter = build_drafter(spec, target, 1, 256)
+    assert drafter.backend.vocab.tolist() == vocab and drafter.backend.runner.lm_head.weight.shape[0] == len(vocab)
+    engine = LLMEngine(target, tokenizer, drafter, num_speculative_tokens=3, max_num_seqs=1, max_model_len=256)
     prompt = [5, 9, 17, 33, 8]
     got = LLM(engine=engine).generate([prompt], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
     with torch.no_grad():

@@ -68,7 +68,10 @@ class TrainConfig(ConfigModel):
             ``lm_head`` (the soft labels, the draft LM's initial layers) stay float32 either way.
 
     EAGLE-3:
-        draft_vocab_size: rows of the head's ``lm_head`` (the most frequent loss-masked target tokens).
+        draft_vocab_size: rows of the head's ``lm_head`` (the most frequent loss-masked target tokens). A draft LM
+            keeps its whole output layer but records that many most frequent tokens as its draft vocabulary
+            (``ssd_eagle.draft_vocab`` in its config; the engines draft over those rows only); >= the target's
+            vocabulary records none.
         aux_layer_ids: input-of-layer ids (``docs/design.md`` section 2); None: ``(2, L//2, L-3)``.
         draft_hidden_size: the head's width H (None: the target's). Another width scales the midlayer
             (:func:`ssd_eagle.models.eagle3_config.scaled_geometry`) and gives the head its own frozen embedding

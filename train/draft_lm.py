@@ -169,7 +169,8 @@ def save_draft_lm(config: LlamaConfig, trained: dict[str, torch.Tensor], out_dir
     """Write the draft LM (plain or compact layout, module docstring) atomically; an existing folder is replaced.
 
     Args:
-        config: the draft's ``LlamaConfig``; trained: its trained tensors (:meth:`DraftLMBody.trained_state_dict`).
+        config: the draft's ``LlamaConfig`` (its ``ssd_eagle.draft_vocab``, when set, is written in both layouts);
+            trained: its trained tensors (:meth:`DraftLMBody.trained_state_dict`).
         target: the target model (its embedding completes a plain folder; its hash is recorded in a compact one).
         target_name: recorded in a compact folder's config.
         dtype: storage dtype.
@@ -187,10 +188,10 @@ def save_draft_lm(config: LlamaConfig, trained: dict[str, torch.Tensor], out_dir
             cfg = copy.deepcopy(config)
             cfg.dtype = str(dtype).removeprefix("torch.")  # (transformers 5: `torch_dtype` is deprecated)
             doc = cfg.to_dict()
-            doc["ssd_eagle"] = {"shared_from_target": {
+            doc["ssd_eagle"] = dict(doc.get("ssd_eagle") or {}, shared_from_target={  # keeps a draft_vocab
                 "tensors": [EMBED_NAME] + ([] if config.tie_word_embeddings else [HEAD_NAME]),
                 "target": target_name,
-                DIGEST_KEY: embedding_digest(target.get_input_embeddings().weight)}}
+                DIGEST_KEY: embedding_digest(target.get_input_embeddings().weight)})
             (tmp / "config.json").write_text(json.dumps(doc, indent=2) + "\n")
             tensors = {k: v.detach().to("cpu", dtype).contiguous() for k, v in trained.items()}
             save_file(tensors, str(tmp / COMPACT_WEIGHTS), metadata={"format": "pt"})

@@ -168,6 +168,11 @@ def model_card(kind: str, name: str, target: str, state: dict, train_cfg: dict, 
         lines += [f"A {num_layers}-layer draft model for [{target}](https://huggingface.co/{target}): the target's "
                   f"first {num_layers} decoder layers, final norm and output layer, distilled with KL to the target's "
                   "next-token distribution. Same tokenizer as the target.", ""]
+        if draft_vocab_size:
+            lines += [f"- draft vocabulary: ssd-eagle drafts over the {draft_vocab_size} most frequent assistant "
+                      f"tokens of the training data (`ssd_eagle.draft_vocab` in `config.json`; coverage "
+                      f"{_fmt(state.get('vocab_coverage'), 4)}), scoring only those rows of the output layer; "
+                      "transformers, vLLM and SGLang ignore the record and use the whole layer", ""]
         if compact:
             lines += ["**Compact export**: only the trained tensors are stored (`draft_lm.safetensors`); the token "
                       "embedding table (tied output layer) is the target's and is not duplicated. "
@@ -262,12 +267,14 @@ def export_checkpoint(checkpoint: str | os.PathLike, out_dir: str | os.PathLike,
                 aux_layer_ids=head.config.aux_layer_ids, draft_vocab_size=head.config.draft_vocab_size,
                 widths=(head.config.hidden_size, head.config.target_hidden_size)))
         return out
+    from ssd_eagle.models.draft_lm import draft_vocab_ids
     from train.draft_lm import save_draft_lm
 
     config, tensors = load_draft_lm_parts(step_dir)
     target_model, tokenizer = load_model(target_name)
+    vocab = draft_vocab_ids(config)
     card = model_card("draft_lm", title, target_name, state, train_cfg, tau=tau, compact=compact, dtype=dtype,
-                      num_layers=config.num_hidden_layers)
+                      num_layers=config.num_hidden_layers, draft_vocab_size=None if vocab is None else vocab.numel())
     return save_draft_lm(config, tensors, out, target=target_model, target_name=target_name, compact=compact,
                          dtype=torch_dtype, tokenizer=tokenizer, extra_files={"README.md": card})
 

@@ -259,8 +259,32 @@ class Trainer:
             raise ValueError(f"checkpoint has {self.snapshot['config']['num_hidden_layers']} layers, config "
                              f"draft_lm_layers={cfg.draft_lm_layers}")
         body = DraftLMBody.from_target(self.target, cfg.draft_lm_layers, self.dtype).to(self.device)
+        body.config.ssd_eagle = self._draft_lm_vocab()
         self.body = body
         return DraftLMTrainable(body)
+
+    def _draft_lm_vocab(self) -> dict | None:
+        """The draft LM's ``ssd_eagle`` config record: the ``draft_vocab_size`` most frequent loss-masked tokens
+        (ascending ids) it will draft over (:class:`~ssd_eagle.drafters.backends.DraftLMBackend`), or None when that
+        is the whole vocabulary. A resume keeps its checkpoint's; a new run counts its data (as an EAGLE-3 head's
+        vocabulary is chosen) and writes ``token_counts.json``."""
+        from train.vocab import count_token_frequencies, most_frequent_ids, save_token_counts
+
+        if self.snapshot:
+            return self.snapshot["config"].get("ssd_eagle")
+        cfg, vocab_size = self.cfg, self.target.config.get_text_config().vocab_size
+        if cfg.draft_vocab_size >= vocab_size:
+            return None
+        counts = count_token_frequencies(self.data.token_rows(), vocab_size, progress=False)
+        counts = all_reduce(counts.double()).long()
+        ids = most_frequent_ids(counts, cfg.draft_vocab_size).sort().values
+        if self.rank == 0:
+            self.out.mkdir(parents=True, exist_ok=True)
+            save_token_counts(self.out / "token_counts.json", counts,
+                              {"target": cfg.target, "data": str(self.data.stats.get("source")),
+                               "max_length": cfg.max_length})
+        self.vocab_coverage = float(counts[ids].sum() / counts.sum().clamp_min(1))
+        return {"draft_vocab": ids.tolist()}
 
     def _plan(self) -> None:
         cfg = self.cfg

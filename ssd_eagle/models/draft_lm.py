@@ -1,6 +1,11 @@
 """Loading the draft LMs ssd-eagle exports (``train/draft_lm.py`` trains and saves them): a plain transformers folder,
 or a **compact** export that stores only the trained tensors (``draft_lm.safetensors``) and takes its token embedding
 and output layer from the target, checked by a SHA-256 of the target's embedding table.
+
+Either layout may carry a **draft vocabulary** in ``config.json`` (``ssd_eagle.draft_vocab``: ascending target ids,
+the training data's most frequent assistant tokens): the engines then score only those rows of the output layer,
+as an EAGLE-3 head drafts over its reduced vocabulary (:func:`draft_vocab_ids`). Transformers, vLLM and SGLang
+ignore the record and use the whole layer.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ HEAD_NAME = "lm_head.weight"
 
 DIGEST_KEY = "embed_sha256_bf16"  # the identity a compact export records (``ssd_eagle.shared_from_target``)
 LEGACY_DIGEST_KEY = "embed_sha256"  # older exports: SHA-256 of the float32 bytes (only a float32/float64 target)
+DRAFT_VOCAB_KEY = "draft_vocab"  # ``ssd_eagle.draft_vocab`` in config.json: the output rows the engines draft over
 
 
 def embedding_digest(weight: torch.Tensor) -> str:
@@ -40,6 +46,27 @@ def embedding_digest(weight: torch.Tensor) -> str:
 
 def _legacy_digest(weight: torch.Tensor) -> str:
     return hashlib.sha256(weight.detach().to("cpu", torch.float32).contiguous().numpy().tobytes()).hexdigest()
+
+
+def draft_vocab_ids(config) -> torch.Tensor | None:
+    """The draft vocabulary a draft LM's config records (``config.ssd_eagle["draft_vocab"]``), or None (the whole
+    output layer).
+
+    Returns:
+        int64 [D], ascending target ids (D < V).
+
+    Raises:
+        ValueError: ids not strictly ascending or outside ``[0, vocab_size)``.
+    """
+    record = getattr(config, "ssd_eagle", None) or {}
+    ids = record.get(DRAFT_VOCAB_KEY)
+    if ids is None:
+        return None
+    ids = torch.as_tensor(ids, dtype=torch.long)
+    if ids.ndim != 1 or ids.numel() == 0 or (ids[1:] <= ids[:-1]).any() or ids[0] < 0 \
+            or ids[-1] >= config.vocab_size:
+        raise ValueError(f"ssd_eagle.{DRAFT_VOCAB_KEY} must be ascending target ids in [0, {config.vocab_size})")
+    return ids
 
 
 def check_target_embeddings(path: Path, shared: dict, target) -> None:
@@ -113,11 +140,13 @@ def load_draft_lm(path: str | os.PathLike, target=None, dtype: torch.dtype = tor
     if target is None:
         raise ValueError(f"{path} is a compact draft LM: pass the target model that supplies its embeddings")
     doc = json.loads((path / "config.json").read_text())
-    shared = doc.pop("ssd_eagle", {}).get("shared_from_target", {})
-    check_target_embeddings(path, shared, target)
+    record = doc.pop("ssd_eagle", {})
+    check_target_embeddings(path, record.get("shared_from_target", {}), target)
     for key in ("architectures", "model_type", "transformers_version", "torch_dtype", "dtype"):
         doc.pop(key, None)
     config = LlamaConfig(**doc)
+    if DRAFT_VOCAB_KEY in record:
+        config.ssd_eagle = {DRAFT_VOCAB_KEY: record[DRAFT_VOCAB_KEY]}
     return assemble_draft_lm(config, load_file(str(path / COMPACT_WEIGHTS)), target, dtype)
 
 
