@@ -110,9 +110,12 @@ def resolve_dtype(name: str, device: str | torch.device = "cpu", cpu: CpuInfo | 
 def describe(device: str | torch.device, dtype: torch.dtype) -> dict:
     """Device, CPU capability and dtype as a JSON-ready dict (for ``/health``, the server log and benchmarks)."""
     cpu = cpu_info()
+    from ssd_eagle.packed_linear import PACKED_DTYPES, packing_available
+
+    packed = torch.device(device).type == "cpu" and dtype in PACKED_DTYPES and packing_available()
     info = {"device": str(device), "dtype": str(dtype).removeprefix("torch."), "cpu": cpu.model,
-            "cpu_flags": list(cpu.flags), "native_bf16": cpu.native_bf16, "torch": torch.__version__,
-            "threads": torch.get_num_threads()}
+            "cpu_flags": list(cpu.flags), "native_bf16": cpu.native_bf16, "packed_weights": packed,
+            "torch": torch.__version__, "threads": torch.get_num_threads()}
     if torch.device(device).type == "cuda":
         info["gpu"] = torch.cuda.get_device_name(torch.device(device))
     return info
@@ -123,4 +126,5 @@ def describe_line(device: str | torch.device, dtype: torch.dtype) -> str:
     d = describe(device, dtype)
     gpu = f" gpu={d['gpu']!r}" if "gpu" in d else ""
     return (f"device={d['device']}{gpu} dtype={d['dtype']} cpu={d['cpu']!r} flags={','.join(d['cpu_flags']) or '-'} "
-            f"native_bf16={d['native_bf16']} torch={d['torch']} threads={d['threads']}")
+            f"native_bf16={d['native_bf16']} packed_weights={d['packed_weights']} torch={d['torch']} "
+            f"threads={d['threads']}")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -16,3 +18,15 @@ torch.set_num_threads(1)
 def byte_tokenizer():
     return make_byte_tokenizer()
 
+
+
+@pytest.fixture(autouse=True)
+def measured_cost_tables(monkeypatch):
+    """Engines built by tests time their planner's cost table instead of reading ``~/.cache/ssd_eagle/costs``: a
+    table cached while the machine was loaded (keyed by the runner code's digest, so any edit to it makes a new one)
+    decided whether a test's engine speculated at all, and a test that needs cache hits failed on one machine state
+    and passed on another. tests/test_planner.py checks the cache itself with its own folder."""
+    import ssd_eagle.planner
+
+    measure = ssd_eagle.planner.measure_verify_costs
+    monkeypatch.setattr(ssd_eagle.planner, "measure_verify_costs", functools.partial(measure, cache=False))

@@ -60,7 +60,21 @@ def _engines(target, tokenizer):
     }
 
 
-def test_sd_and_ssd_follow_bf16_ar_up_to_near_ties(byte_tokenizer):
+@pytest.fixture(params=[False, True], ids=["plain", "packed"])
+def packing(request, monkeypatch):
+    """Every runner and head packs its bf16 weights (:mod:`ssd_eagle.packed_linear`) or none does."""
+    import ssd_eagle.drafters.backends
+    import ssd_eagle.model_runner
+    from test_packed_linear import _ops_present
+
+    if request.param and not _ops_present():
+        pytest.skip("torch built without oneDNN's packed-linear ops")
+    for module in (ssd_eagle.model_runner, ssd_eagle.drafters.backends):
+        monkeypatch.setattr(module, "packing_available", lambda: request.param)
+    return request.param
+
+
+def test_sd_and_ssd_follow_bf16_ar_up_to_near_ties(byte_tokenizer, packing):
     # init_std 0.1, not the float64 tests' 0.3: at 0.3 these random layers amplify a one-ulp bf16 difference between
     # the one-token and the multi-token kernels into logit differences of several ulps (first-divergence gaps up to
     # ~2x the near-tie bound were measured), far more than SmolLM2-135M shows (its gaps stayed within a third of the
@@ -69,6 +83,7 @@ def test_sd_and_ssd_follow_bf16_ar_up_to_near_ties(byte_tokenizer):
     target = make_tiny_llama(seed=3, dtype=torch.bfloat16, init_std=0.1)
     prompts = random_prompts(8, seed=11)
     ar_engine = LLMEngine(target, byte_tokenizer, None, max_num_seqs=1, max_model_len=512)
+    assert ar_engine.target.packed_weights == packing
     greedy = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
     reference = [_decode(ar_engine, p, greedy, record=True) for p in prompts]
     checked = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprobs=1)

@@ -55,5 +55,8 @@ def test_this_machine_is_described():
     d = describe("cpu", torch.bfloat16)
     assert d["device"] == "cpu" and d["dtype"] == "bfloat16" and d["native_bf16"] == info.native_bf16
     assert d["cpu_flags"] == list(info.flags)
+    from ssd_eagle.packed_linear import packing_available
+
+    assert d["packed_weights"] == packing_available()  # bf16 weights run packed where oneDNN packs them
     line = describe_line("cpu", torch.float32)
-    assert "dtype=float32" in line and f"native_bf16={info.native_bf16}" in line
+    assert "dtype=float32" in line and f"native_bf16={info.native_bf16}" in line and "packed_weights=False" in line
