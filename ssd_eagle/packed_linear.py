@@ -62,7 +62,7 @@ class PackedForward:
         if (torch.is_grad_enabled() and (weight.requires_grad or x.requires_grad)) or x.dtype != weight.dtype \
                 or x.device.type != "cpu" or x.numel() == 0:
             return F.linear(x, weight, bias)
-        key = (weight._version, weight.data_ptr())
+        key = (0 if weight.is_inference() else weight._version, weight.data_ptr())  # (no counter on those)
         if key != self.key:
             self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 1)
             self.key = key

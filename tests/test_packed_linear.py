@@ -66,6 +66,11 @@ def test_training_and_other_dtypes_take_the_plain_path_and_a_changed_weight_is_r
         x32 = x.float()  # a float32 input is the plain path's business (it raises there, as unpacked)
         with pytest.raises(RuntimeError):
             layer(x32)
+    with torch.inference_mode():  # a layer made under inference mode has no version counter
+        made_there = nn.Linear(32, 16).to(torch.bfloat16)
+    pack_linears(made_there)
+    with torch.no_grad():
+        close_in_bf16(made_there(x), F.linear(x, made_there.weight, made_there.bias))
     float_layer = nn.Linear(8, 8)
     assert pack_linears(float_layer) == 0 and "forward" not in float_layer.__dict__
 
