@@ -30,7 +30,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import sdpa_mask
 
 from ssd_eagle.kv_cache import ForwardBatch, KVCache
-from ssd_eagle.packed_linear import pack_linears, packing_available
+from ssd_eagle.packed_linear import pack_linears, packing_available, unpack_linears
 from ssd_eagle.sampling import upcast_logits
 
 RAGGED_ATTENTION = "ssd_eagle_ragged_sdpa"
@@ -166,7 +166,11 @@ class ModelRunner:
             self.model.set_attn_implementation(RAGGED_ATTENTION)
         if packed_weights is None:
             packed_weights = self.device.type == "cpu" and not compile and packing_available()
-        self.packed_weights = bool(packed_weights) and pack_linears(self.model) > 0
+        if packed_weights:
+            self.packed_weights = pack_linears(self.model) > 0
+        else:  # (another runner may have packed this model: compiled graphs cannot trace the packed kernel)
+            unpack_linears(self.model)
+            self.packed_weights = False
         if compile:
             import torch._dynamo
 

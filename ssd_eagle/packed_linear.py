@@ -14,13 +14,16 @@ reorders each weight once (``torch.ops.mkldnn._reorder_linear_weight``) and runs
 Only the forward is replaced (an instance attribute over ``nn.Linear.forward``); ``weight`` stays the module's
 parameter, so state dicts, tied embeddings and training are untouched. The packed copy is rebuilt when the weight
 changes (its version counter or storage), and the plain ``F.linear`` runs whenever autograd needs a graph, the
-input's dtype or device differs, or the weight is sharded (tensor parallel). Results equal ``F.linear``'s up to the
+weight is no longer bf16 (``model.float()``) or the input's dtype or device differs, under ``torch.compile``, or
+for a sharded weight (tensor parallel). Results equal ``F.linear``'s up to the
 order of bf16 accumulation (another blocking), so every path of one engine (AR, verification, drafting) goes
 through the same packed kernels and greedy SD still equals its AR. The packed copy costs the weights' size again
 in memory.
 """
 
 from __future__ import annotations
+
+import weakref
 
 import torch
 import torch.nn.functional as F
@@ -45,22 +48,36 @@ def packing_available() -> bool:
 
 class PackedForward:
     """The forward :func:`pack_linears` installs on one ``nn.Linear``: ``[.., in] -> [.., out]`` through the packed
-    weight, else ``F.linear``."""
+    weight, else ``F.linear``.
+
+    Inference only: a weight written in place behind autograd's back (``weight.data.copy_``, or in place under
+    ``torch.inference_mode`` on a weight made there) keeps its version and storage, so its stale packed copy would
+    run; :func:`unpack_linears` before training or editing a packed model that way.
+    """
 
     def __init__(self, linear: nn.Linear):
-        self.linear = linear
+        self._linear = weakref.ref(linear)  # the layer holds this object: a strong reference would be a cycle
         self.packed: torch.Tensor | None = None
         self.key: tuple[int, int] | None = None
 
+    @property
+    def linear(self) -> nn.Linear:
+        return self._linear()
+
     def __getstate__(self) -> dict:
-        """Copies and pickles (``copy.deepcopy``, a process boundary) carry no packed tensor: oneDNN's opaque
-        layout has no storage to copy; the copy packs on its first call."""
-        return {"linear": self.linear, "packed": None, "key": None}
+        """Copies and pickles (``copy.deepcopy``, a process boundary) carry the layer but no packed tensor: oneDNN's
+        opaque layout has no storage to copy; the copy packs on its first call."""
+        return {"linear": self.linear}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__(state["linear"])
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        weight, bias = self.linear.weight, self.linear.bias
-        if (torch.is_grad_enabled() and (weight.requires_grad or x.requires_grad)) or x.dtype != weight.dtype \
-                or x.device.type != "cpu" or x.numel() == 0:
+        layer = self.linear
+        weight, bias = layer.weight, layer.bias
+        if weight.dtype not in PACKED_DTYPES or x.dtype != weight.dtype or x.device.type != "cpu" or x.numel() == 0 \
+                or torch.compiler.is_compiling() \
+                or (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias))):
             return F.linear(x, weight, bias)
         key = (0 if weight.is_inference() else weight._version, weight.data_ptr())  # (no counter on those)
         if key != self.key:

@@ -108,7 +108,8 @@ def resolve_dtype(name: str, device: str | torch.device = "cpu", cpu: CpuInfo | 
 
 
 def describe(device: str | torch.device, dtype: torch.dtype) -> dict:
-    """Device, CPU capability and dtype as a JSON-ready dict (for ``/health``, the server log and benchmarks)."""
+    """Device, CPU capability and dtype as a JSON-ready dict (for ``/health``, the server log and benchmarks).
+    ``packed_weights``: bf16 weights on this device run packed (:mod:`ssd_eagle.packed_linear`) unless compiled."""
     cpu = cpu_info()
     from ssd_eagle.packed_linear import PACKED_DTYPES, packing_available
 

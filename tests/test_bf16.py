@@ -50,7 +50,7 @@ def _decode(engine: LLMEngine, prompt: list[int], params: SamplingParams, record
 
 
 def _engines(target, tokenizer):
-    draft = noisy_copy(target.float(), 0.02).to(torch.bfloat16)
+    draft = noisy_copy(copy.deepcopy(target).float(), 0.02).to(torch.bfloat16)  # (.float() alone converts the target)
     return {
         "sd_ngram": LLMEngine(target, tokenizer, NgramDrafter(1, 3), num_speculative_tokens=K, max_num_seqs=1,
                               max_model_len=512),
@@ -88,6 +88,7 @@ def test_sd_and_ssd_follow_bf16_ar_up_to_near_ties(byte_tokenizer, packing):
     reference = [_decode(ar_engine, p, greedy, record=True) for p in prompts]
     checked = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprobs=1)
     for name, engine in _engines(target, byte_tokenizer).items():
+        assert engine.target.dtype == torch.bfloat16 and engine.target.packed_weights == packing
         for prompt, (ar, ar_top2) in zip(prompts, reference):
             out, _ = _decode(engine, prompt, checked)
             assert argmax_consistent(out.logprobs), f"{name}: a token that is not its verification's argmax"

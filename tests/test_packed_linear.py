@@ -6,7 +6,9 @@ packing on and off)."""
 from __future__ import annotations
 
 import copy
+import gc
 import pickle
+import weakref
 
 import pytest
 import torch
@@ -88,3 +90,40 @@ def test_a_packed_model_decodes_like_the_plain_one_and_unpacks():
         assert pickle.loads(pickle.dumps(model)).model.layers[0].mlp.up_proj.forward.packed is None
         unpack_linears(model)
         assert torch.equal(model(ids).logits, want)
+
+
+def test_review_findings_dtype_change_compile_cycle_and_a_trainable_bias():
+    """Found by a reviewer: a packed model moved to another dtype crashed (float64) or ran a float32 packed copy;
+    a runner that compiles left an earlier runner's packing in place (inductor cannot trace the packed kernel); the
+    layer -> forward -> layer cycle kept dropped models alive until a gc pass; a trainable bias under a frozen weight
+    got no gradient."""
+    from ssd_eagle.model_runner import ModelRunner
+
+    model = make_tiny_llama(seed=3, dtype=torch.bfloat16, init_std=0.1)
+    ids = torch.randint(3, 257, (1, 12), generator=torch.Generator().manual_seed(0))
+    assert ModelRunner(model, 1, 64, packed_weights=True).packed_weights
+    with torch.no_grad():
+        want = model.double()(ids).logits  # plain F.linear for a float64 weight
+        unpack_linears(model)
+        assert torch.equal(model(ids).logits, want)
+    model.bfloat16()
+    pack_linears(model)
+    runner = ModelRunner(model, 1, 64, packed_weights=False)  # what compile=True decides
+    assert not runner.packed_weights
+    assert not any(isinstance(m.__dict__.get("forward"), PackedForward) for m in model.modules())
+
+    gc.disable()
+    try:
+        layer = nn.Linear(16, 16).to(torch.bfloat16)
+        pack_linears(layer)
+        alive = weakref.ref(layer)
+        del layer
+        assert alive() is None  # freed by reference counting alone
+    finally:
+        gc.enable()
+
+    layer = nn.Linear(16, 4).to(torch.bfloat16)
+    layer.weight.requires_grad_(False)
+    pack_linears(layer)
+    layer(torch.randn(2, 16).bfloat16()).float().sum().backward()
+    assert layer.bias.grad is not None
