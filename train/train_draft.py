@@ -194,7 +194,7 @@ class Trainer:
         cfg = self.cfg
         if cfg.draft == "eagle3":
             from ssd_eagle.models.eagle3 import Eagle3Config, Eagle3DraftModel
-            from train.vocab import build_draft_vocab, count_token_frequencies, save_token_counts
+            from train.vocab import build_draft_vocab
 
             if self.snapshot:  # resume: the vocabulary mapping comes from the checkpoint, never recounted
                 config = Eagle3Config(**self.snapshot["config"])
@@ -219,15 +219,8 @@ class Trainer:
                         raise ValueError(f"init_from {cfg.init_from}: {name} {got} != the config's {value}")
                 d2t, t2d = start.d2t, start.t2d
             else:
-                vocab_size = self.target.config.get_text_config().vocab_size
-                counts = count_token_frequencies(self.data.token_rows(), vocab_size, progress=False)
-                counts = all_reduce(counts.double()).long()  # every rank counts its shard; same vocab everywhere
+                counts = self._token_counts()
                 d2t, t2d = build_draft_vocab(counts, cfg.draft_vocab_size)
-                if self.rank == 0:
-                    self.out.mkdir(parents=True, exist_ok=True)
-                    save_token_counts(self.out / "token_counts.json", counts,
-                                      {"target": cfg.target, "data": str(self.data.stats.get("source")),
-                                       "max_length": cfg.max_length})
                 width = {"hidden_size": cfg.draft_hidden_size} if cfg.draft_hidden_size else {}
                 config = Eagle3Config.from_target(self.target.config, cfg.draft_vocab_size, self.aux_layer_ids,
                                                   torch_dtype=cfg.dtype, **width)
@@ -263,26 +256,35 @@ class Trainer:
         self.body = body
         return DraftLMTrainable(body)
 
-    def _draft_lm_vocab(self) -> dict | None:
-        """The draft LM's ``ssd_eagle`` config record: the ``draft_vocab_size`` most frequent loss-masked tokens
-        (ascending ids) it will draft over (:class:`~ssd_eagle.drafters.backends.DraftLMBackend`), or None when that
-        is the whole vocabulary. A resume keeps its checkpoint's; a new run counts its data (as an EAGLE-3 head's
-        vocabulary is chosen) and writes ``token_counts.json``."""
-        from train.vocab import count_token_frequencies, most_frequent_ids, save_token_counts
+    def _token_counts(self) -> torch.Tensor:
+        """int64 [V]: how often each target token is a loss-masked (assistant) token of the training data, summed over
+        the ranks (each counts its shard, so every rank chooses the same vocabulary); rank 0 writes them to
+        ``token_counts.json``."""
+        from train.vocab import count_token_frequencies, save_token_counts
 
-        if self.snapshot:
-            return self.snapshot["config"].get("ssd_eagle")
         cfg, vocab_size = self.cfg, self.target.config.get_text_config().vocab_size
-        if cfg.draft_vocab_size >= vocab_size:
-            return None
         counts = count_token_frequencies(self.data.token_rows(), vocab_size, progress=False)
         counts = all_reduce(counts.double()).long()
-        ids = most_frequent_ids(counts, cfg.draft_vocab_size).sort().values
         if self.rank == 0:
             self.out.mkdir(parents=True, exist_ok=True)
             save_token_counts(self.out / "token_counts.json", counts,
                               {"target": cfg.target, "data": str(self.data.stats.get("source")),
                                "max_length": cfg.max_length})
+        return counts
+
+    def _draft_lm_vocab(self) -> dict | None:
+        """The draft LM's ``ssd_eagle`` config record: the ``draft_vocab_size`` most frequent loss-masked tokens
+        (ascending ids) it will draft over (:class:`~ssd_eagle.drafters.backends.DraftLMBackend`), or None when that
+        is the whole vocabulary. A resume keeps its checkpoint's; a new run counts its data (as an EAGLE-3 head's
+        vocabulary is chosen) and writes ``token_counts.json``."""
+        from train.vocab import most_frequent_ids
+
+        if self.snapshot:
+            return self.snapshot["config"].get("ssd_eagle")
+        if self.cfg.draft_vocab_size >= self.target.config.get_text_config().vocab_size:
+            return None
+        counts = self._token_counts()
+        ids = most_frequent_ids(counts, self.cfg.draft_vocab_size).sort().values
         self.vocab_coverage = float(counts[ids].sum() / counts.sum().clamp_min(1))
         return {"draft_vocab": ids.tolist()}
 
