@@ -30,7 +30,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import sdpa_mask
 
 from ssd_eagle.kv_cache import ForwardBatch, KVCache
-from ssd_eagle.packed_linear import pack_linears, packing_available, unpack_linears
+from ssd_eagle.packed_linear import pack_linears, packs_on, unpack_linears
 from ssd_eagle.sampling import upcast_logits
 
 RAGGED_ATTENTION = "ssd_eagle_ragged_sdpa"
@@ -134,7 +134,7 @@ class ModelRunner:
             target, whose decode rounds batch many contexts).
         packed_weights: run the model's bf16 linear layers from weights reordered once for oneDNN
             (:func:`~ssd_eagle.packed_linear.pack_linears`; ~1.3x a SmolLM2 decode step on a CPU with AMX). None:
-            on CPU, not compiled, where :func:`~ssd_eagle.packed_linear.packing_available`.
+            on CPU, not compiled, where :func:`~ssd_eagle.packed_linear.packs_on`.
     """
 
     def __init__(self, model: nn.Module, num_slots: int, max_len: int,
@@ -165,7 +165,7 @@ class ModelRunner:
                 and self.config._attn_implementation == "sdpa" and not hasattr(k_weight, "to_local"):  # (CUDA graphs and compiled graphs keep plain SDPA)
             self.model.set_attn_implementation(RAGGED_ATTENTION)
         if packed_weights is None:
-            packed_weights = self.device.type == "cpu" and not compile and packing_available()
+            packed_weights = packs_on(self.device) and not compile
         if packed_weights:
             self.packed_weights = pack_linears(self.model) > 0
         else:  # (another runner may have packed this model: compiled graphs cannot trace the packed kernel)

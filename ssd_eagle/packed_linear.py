@@ -46,6 +46,13 @@ def packing_available() -> bool:
     return cpu_info().native_bf16
 
 
+def packs_on(device: str | torch.device) -> bool:
+    """Whether models on ``device`` run their bf16 linears packed: a CPU where :func:`packing_available`. The one
+    decision :class:`~ssd_eagle.model_runner.ModelRunner` (unless compiled), the EAGLE-3 backend and
+    :func:`~ssd_eagle.platform.describe` follow."""
+    return torch.device(device).type == "cpu" and packing_available()
+
+
 class PackedForward:
     """The forward :func:`pack_linears` installs on one ``nn.Linear``: ``[.., in] -> [.., out]`` through the packed
     weight, else ``F.linear``.

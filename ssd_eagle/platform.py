@@ -111,9 +111,9 @@ def describe(device: str | torch.device, dtype: torch.dtype) -> dict:
     """Device, CPU capability and dtype as a JSON-ready dict (for ``/health``, the server log and benchmarks).
     ``packed_weights``: bf16 weights on this device run packed (:mod:`ssd_eagle.packed_linear`) unless compiled."""
     cpu = cpu_info()
-    from ssd_eagle.packed_linear import PACKED_DTYPES, packing_available
+    from ssd_eagle.packed_linear import PACKED_DTYPES, packs_on
 
-    packed = torch.device(device).type == "cpu" and dtype in PACKED_DTYPES and packing_available()
+    packed = dtype in PACKED_DTYPES and packs_on(device)
     info = {"device": str(device), "dtype": str(dtype).removeprefix("torch."), "cpu": cpu.model,
             "cpu_flags": list(cpu.flags), "native_bf16": cpu.native_bf16, "packed_weights": packed,
             "torch": torch.__version__, "threads": torch.get_num_threads()}

@@ -63,14 +63,12 @@ def _engines(target, tokenizer):
 @pytest.fixture(params=[False, True], ids=["plain", "packed"])
 def packing(request, monkeypatch):
     """Every runner and head packs its bf16 weights (:mod:`ssd_eagle.packed_linear`) or none does."""
-    import ssd_eagle.drafters.backends
-    import ssd_eagle.model_runner
+    import ssd_eagle.packed_linear
     from test_packed_linear import _ops_present
 
     if request.param and not _ops_present():
         pytest.skip("torch built without oneDNN's packed-linear ops")
-    for module in (ssd_eagle.model_runner, ssd_eagle.drafters.backends):
-        monkeypatch.setattr(module, "packing_available", lambda: request.param)
+    monkeypatch.setattr(ssd_eagle.packed_linear, "packing_available", lambda: request.param)
     return request.param
 
 
@@ -180,6 +178,8 @@ def test_feature_labels_are_the_bf16_targets_served_greedy_tokens():
 
     hidden = torch.randn(512, 64, generator=torch.Generator().manual_seed(1)).bfloat16()
     weight = torch.randn(4000, 64, generator=torch.Generator().manual_seed(2)).bfloat16()
-    bf16 = lm_head_argmax(hidden, weight, chunk=100)
+    layer = torch.nn.Linear(64, 4000, bias=False).to(torch.bfloat16)
+    layer.weight.data = weight
+    bf16 = lm_head_argmax(hidden, layer, chunk=100)
     assert torch.equal(bf16, (hidden @ weight.T).float().argmax(-1))
     assert not torch.equal(bf16, (hidden.float() @ weight.float().T).argmax(-1))  # the float32 product differs

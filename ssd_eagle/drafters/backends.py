@@ -58,7 +58,7 @@ from ssd_eagle.cuda_graphs import StaticForward, shape_sets
 from ssd_eagle.kv_cache import ForwardBatch, KVCache
 from ssd_eagle.model_runner import ModelRunner
 from ssd_eagle.models.draft_lm import draft_vocab_ids
-from ssd_eagle.packed_linear import pack_linears, packing_available
+from ssd_eagle.packed_linear import pack_linears, packs_on
 from ssd_eagle.sampling import upcast_logits
 
 DraftOut = tuple[torch.Tensor, "torch.Tensor | None"]  # (logits, outputs); see the module docstring
@@ -270,7 +270,7 @@ class Eagle3Backend(DraftBackend):
         self.aux_layer_ids = tuple(cfg.aux_layer_ids)
         self.vocab_size = cfg.vocab_size
         self.set_vocab(head.draft_target_ids, cfg.vocab_size)
-        if self.device.type == "cpu" and packing_available():  # as the target's ModelRunner does
+        if packs_on(self.device):
             pack_linears(head)
         self.use_fixed_shapes(fixed_shapes)
 
