@@ -120,6 +120,37 @@ def test_a_deferred_post_is_made_by_the_answer():
     assert p.decode_remove(speculator.recv(timeout=10)) == 6
 
 
+class _PostWhileReading(list):
+    """A channel's frame views that, the first time a header is read, have another thread post a receive (as a
+    send from another thread does once its message is out) and give it 0.3 s."""
+
+    def __init__(self, channel: t.Channel):
+        super().__init__(channel._words)
+        self.channel, self.racer = channel, None
+
+    def __getitem__(self, index):
+        if self.racer is None:
+            self.racer = threading.Thread(target=self.channel.post)
+            self.racer.start()
+            self.racer.join(0.3)
+        return super().__getitem__(index)
+
+
+def test_a_post_from_another_thread_waits_while_a_message_is_read():
+    """Regression (a CI run of stop 25): a send on one thread posted the next receive into the frame another
+    thread's ``recv`` had just completed but not read yet, zeroing its version word (``ProtocolMismatch``: "the
+    peer speaks SSD protocol version 0")."""
+    verifier, speculator, _store = _pair()
+    verifier._words = racing = _PostWhileReading(verifier)
+    speculator.send(p.encode_remove(3))
+    assert p.decode_remove(verifier.recv(timeout=10)) == 3
+    racing.racer.join(10)
+    assert not racing.racer.is_alive()
+    for n in (4, 5):  # the link still pairs every message with its frame
+        speculator.send(p.encode_remove(n))
+        assert p.decode_remove(verifier.recv(timeout=10)) == n
+
+
 def test_sends_from_two_threads_share_the_channel_and_arrive_whole():
     verifier, speculator, _store = _pair(torch.bfloat16)
     sent = {n: [SpecRequest(n, 1, n, 4, torch.randn(2, 8 + n, dtype=torch.bfloat16), [n])] for n in range(40)}

@@ -124,6 +124,7 @@ class Channel:
                                                                                              else 1)]
         self._next = 0  # the frame the next message arrives in
         self._posted = None  # the posted receive of that frame (framed: always, except after a deferred post)
+        self._receiving = threading.Lock()  # orders the receive state (_next, _posted) against another thread's post
         if self.framed:
             self._words = [frame.numpy() for frame in self.frames]  # header reads, version-word polls
             self._floats = [frame.view(self.float_dtype) for frame in self.frames]
@@ -190,8 +191,13 @@ class Channel:
         self.post()
         if self.spin > 0:
             timeout = self._spin(timeout)
+        self._recv_into(self.frames[self._next], timeout, self._posted)  # (a receive that timed out stays posted)
+        with self._receiving:  # (a send from another thread posts only once this message is read and _next moved)
+            return self._read(timeout, defer_post)
+
+    def _read(self, timeout: float | None, defer_post: Collection[int]) -> Message:
+        """The rest of :meth:`recv` once the frame's receive completed: the header, the body, the next post."""
         frame = self.frames[self._next]
-        self._recv_into(frame, timeout, self._posted)  # (a receive that timed out stays posted)
         self._posted = None
         version, command, n_i, n_f = (self._words[self._next] if self.framed else frame)[:HEADER].tolist()
         if version != PROTOCOL_VERSION:
@@ -203,7 +209,7 @@ class Channel:
             msg = Message(command, frame[HEADER: HEADER + n_i], self._floats[self._next][start: start + n_f])
             self._next ^= 1  # the peer's next message may come at once: its frame's receive is posted now (or by
             if command not in defer_post:  # this end's next send, which the peer waits for)
-                self.post()
+                self._post()
             return msg
         body = frame[HEADER: HEADER + words]
         if body.numel() < words:  # the body comes in a send of its own
@@ -212,11 +218,16 @@ class Channel:
             self._recv_into(body, timeout)
         if self.framed:
             self._next ^= 1
-            self.post()
+            self._post()
         return Message(command, body[:n_i], body[n_i:].view(self.float_dtype)[:n_f])
 
     def post(self) -> None:
-        """Post the receive of the next message's frame (its header only with NCCL), if not posted yet."""
+        """Post the receive of the next message's frame (its header only with NCCL), if not posted yet. Safe from
+        any thread: it waits while another thread's :meth:`recv` reads a message that arrived."""
+        with self._receiving:
+            self._post()
+
+    def _post(self) -> None:
         if self._posted is None:
             frame = self.frames[self._next]
             if self.framed:
