@@ -135,7 +135,9 @@ class Channel:
 
     def send(self, msg: Message) -> None:
         """Send one message (int payloads as int64, floats in ``float_dtype``). Framed, it then posts the next
-        frame's receive if a ``recv`` left it unposted (``defer_post``)."""
+        frame's receive if a ``recv`` left it unposted (``defer_post``). Safe from several threads for messages that
+        fit in a frame; a larger one sends its header and body as two sends, which another thread's send must not
+        come between (no caller in this repository sends from two threads)."""
         n_i = 0 if msg.ints is None else msg.ints.numel()
         n_f = 0 if msg.floats is None else msg.floats.numel()
         if self.framed:
@@ -237,11 +239,12 @@ class Channel:
             self._posted = self.group.recv([frame if self.framed else frame[:HEADER]], self.peer, 0)
 
     def poll(self) -> bool:
-        """Whether the next message's header has arrived (never blocks; the next :meth:`recv` completes it). A
-        timing hint only: gloo marks a receive complete only once waited on, so on CPUs the frame, whose version
-        word is zeroed when its receive is posted, is read for the (nonzero) protocol version."""
-        self.post()
-        return self._posted.is_completed() or (self.framed and bool(self._words[self._next][0]))
+        """Whether the next message's header has arrived (never waits for the peer; the next :meth:`recv` completes
+        it). A timing hint only: gloo marks a receive complete only once waited on, so on CPUs the frame, whose
+        version word is zeroed when its receive is posted, is read for the (nonzero) protocol version."""
+        with self._receiving:
+            self._post()
+            return self._posted.is_completed() or (self.framed and bool(self._words[self._next][0]))
 
     def _spin(self, timeout: float | None) -> float | None:
         """Busy-poll the posted frame's version word for up to ``spin`` seconds (within ``timeout``); returns what
