@@ -202,6 +202,29 @@ def test_narrow_head_trains_exports_and_loads_in_both_engine_simulations(tiny, t
     assert "own `embed_tokens.weight` [vocab, 32]" in (export / "README.md").read_text()
 
 
+def test_init_from_warm_starts_a_draft_lm_from_its_compact_export_and_refuses_another_depth(tiny, tmp_path):
+    from ssd_eagle.models.draft_lm import draft_vocab_ids, load_draft_lm
+
+    first, _ = run_trainer(**tiny_config(tiny, tmp_path / "a", draft="draft_lm", draft_lm_layers=2, max_steps=2,
+                                         save_every=2, eval_every=0, draft_vocab_size=12))
+    compact = export_checkpoint(tmp_path / "a", tmp_path / "compact", dtype="float32", compact=True)
+    exported = load_draft_lm(compact, first.target)
+    warm, _ = run_trainer(**tiny_config(tiny, tmp_path / "b", draft="draft_lm", draft_lm_layers=2, max_steps=1,
+                                        save_every=1, eval_every=0, lr=1e-9, draft_vocab_size=12,
+                                        init_from=str(compact)))
+    assert warm.body.config.ssd_eagle == {"draft_vocab": draft_vocab_ids(exported.config).tolist()}
+    assert len(warm.body.config.ssd_eagle["draft_vocab"]) == 12
+    state = warm.body.trained_state_dict()
+    for name, value in exported.state_dict().items():  # one step at lr 1e-9 from the export's weights
+        if name in state:
+            torch.testing.assert_close(state[name].float(), value.float(), rtol=0, atol=1e-6)
+    assert not torch.equal(state["model.layers.0.mlp.up_proj.weight"],
+                           first.target.get_decoder().layers[0].mlp.up_proj.weight.to(state["model.norm.weight"]))
+    with pytest.raises(ValueError, match="draft_lm_layers 1"):
+        run_trainer(**tiny_config(tiny, tmp_path / "c", draft="draft_lm", draft_lm_layers=1, max_steps=1,
+                                  init_from=str(compact)))
+
+
 def test_draft_lm_zero3_plain_compact_and_materialized_exports(tiny, tmp_path):
     from ssd_eagle.models.draft_lm import load_draft_lm
 

@@ -80,10 +80,11 @@ class TrainConfig(ConfigModel):
         head_init: ``"random"`` (every weight ~ N(0, 0.02)) or ``"target"``: the EAGLE-3 head's ``lm_head`` starts
             as the target's output embeddings of the draft vocabulary and its ``norm`` as the target's final norm
             (:meth:`~ssd_eagle.models.eagle3.Eagle3DraftModel.init_output_from_target`; heads as wide as the target).
-        init_from: warm start: an exported EAGLE-3 head (``python -m train.export`` or a committed ``drafts/``
-            folder) whose weights and vocabulary mapping the run starts from, with a fresh optimizer and schedule
-            (its geometry must match ``draft_vocab_size``, ``draft_hidden_size`` and the aux ids; a resume from
-            ``output_dir``'s checkpoints takes precedence). Carries training across sessions on growing data.
+        init_from: warm start: an exported draft of the run's kind (``python -m train.export`` or a committed
+            ``drafts/`` folder) whose weights and draft vocabulary the run starts from, with a fresh optimizer and
+            schedule (an EAGLE-3 head's geometry must match ``draft_vocab_size``, ``draft_hidden_size`` and the aux
+            ids; a draft LM's layer count ``draft_lm_layers``; a resume from ``output_dir``'s checkpoints takes
+            precedence). Carries training across sessions on growing data.
         saguaro_c: train a Saguaro-aware head for Saguaro sampling with this C in (0, 1] (None: plain head);
             saguaro_fanout: the F it is trained for (cached bonus candidates per position); saguaro_weight: weight
             of ``-log P_ns`` against the cross-entropy; saguaro_temperature: the serving temperature it targets

@@ -252,7 +252,19 @@ class Trainer:
             raise ValueError(f"checkpoint has {self.snapshot['config']['num_hidden_layers']} layers, config "
                              f"draft_lm_layers={cfg.draft_lm_layers}")
         body = DraftLMBody.from_target(self.target, cfg.draft_lm_layers, self.dtype).to(self.device)
-        body.config.ssd_eagle = self._draft_lm_vocab()
+        if cfg.init_from and not self.snapshot:  # warm start: the export's layers, norm and draft vocabulary
+            from ssd_eagle.models.draft_lm import DRAFT_VOCAB_KEY, draft_vocab_ids, load_draft_lm
+
+            start = load_draft_lm(cfg.init_from, self.target, dtype=self.dtype)
+            if start.config.num_hidden_layers != cfg.draft_lm_layers:
+                raise ValueError(f"init_from {cfg.init_from}: num_hidden_layers {start.config.num_hidden_layers} != "
+                                 f"the config's draft_lm_layers {cfg.draft_lm_layers}")
+            trained = {k: v for k, v in start.model.state_dict().items() if k != "embed_tokens.weight"}
+            body.model.load_state_dict(trained)
+            ids = draft_vocab_ids(start.config)  # the vocabulary its output rows were trained over
+            body.config.ssd_eagle = None if ids is None else {DRAFT_VOCAB_KEY: ids.tolist()}
+        else:
+            body.config.ssd_eagle = self._draft_lm_vocab()
         self.body = body
         return DraftLMTrainable(body)
 
