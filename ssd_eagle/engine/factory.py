@@ -254,20 +254,26 @@ def build(config, target=None, placement=None, *, tokenizer=None, draft: nn.Modu
     max_model_len = config.max_model_len or target.config.get_text_config().max_position_embeddings
     drafter = make_drafter(config, target, max_model_len, placement, draft)
     spec = config.speculative_config if drafter is not None else None
-    with startup_stage("engine set-up", max_num_seqs=config.max_num_seqs, max_model_len=max_model_len):
-        engine = LLMEngine(target, tokenizer, drafter,
-                           num_speculative_tokens=spec.num_speculative_tokens if spec else 0,
-                           max_num_seqs=config.max_num_seqs, max_model_len=max_model_len, seed=config.seed,
-                           max_draft_tokens=spec.max_draft_tokens if spec else 0,
-                           cuda_graphs=placement.captures and not config.eager,
-                           compile=placement.captures and config.compile,
-                           max_num_batched_tokens=config.max_num_batched_tokens,
-                           enable_prefix_caching=config.enable_prefix_caching,
-                           prefix_cache_memory=config.prefix_cache_memory, kv_cache_memory=config.kv_cache_memory)
-        engine = placement.attach(engine)
-    if spec is not None:  # after attach: a tensor-parallel target is its driver by then (not planned: its probe
-        from ssd_eagle.planner import planner_for  # forwards must reach every rank)
+    try:
+        with startup_stage("engine set-up", max_num_seqs=config.max_num_seqs, max_model_len=max_model_len):
+            engine = LLMEngine(target, tokenizer, drafter,
+                               num_speculative_tokens=spec.num_speculative_tokens if spec else 0,
+                               max_num_seqs=config.max_num_seqs, max_model_len=max_model_len, seed=config.seed,
+                               max_draft_tokens=spec.max_draft_tokens if spec else 0,
+                               cuda_graphs=placement.captures and not config.eager,
+                               compile=placement.captures and config.compile,
+                               max_num_batched_tokens=config.max_num_batched_tokens,
+                               enable_prefix_caching=config.enable_prefix_caching,
+                               prefix_cache_memory=config.prefix_cache_memory,
+                               kv_cache_memory=config.kv_cache_memory)
+            engine = placement.attach(engine)
+        if spec is not None:  # after attach: a tensor-parallel target is its driver by then (not planned: its probe
+            from ssd_eagle.planner import planner_for  # forwards must reach every rank)
 
-        with startup_stage("planner cost model"):
-            engine.planner = planner_for(engine, spec)
+            with startup_stage("planner cost model"):
+                engine.planner = planner_for(engine, spec)
+    except BaseException:  # (a failed set-up, or a signal during it): an SSD speculator process is stopped with it
+        if drafter is not None:
+            drafter.close()
+        raise
     return engine

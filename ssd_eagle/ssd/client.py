@@ -162,11 +162,16 @@ class RemoteSpeculator(SpeculatorLink):
         self.process = context.Process(target=worker_main, args=(settings, draft, startup_timeout, self.heartbeat),
                                        daemon=True)
         self.process.start()
-        group = t.pair_group(self.store, t.VERIFIER, settings.dist_backend, startup_timeout)
-        device = "cpu" if settings.dist_backend == "gloo" else verifier_device
-        spin = t.SPIN_SECONDS if cpus and settings.cpus else 0.0  # pinned apart: a reply is waited for spinning
-        super().__init__(t.Channel(group, t.SPECULATOR, settings.float_dtype, device, spin=spin), settings.vocab_size,
-                         timeout)
+        try:
+            group = t.pair_group(self.store, t.VERIFIER, settings.dist_backend, startup_timeout)
+            device = "cpu" if settings.dist_backend == "gloo" else verifier_device
+            spin = t.SPIN_SECONDS if cpus and settings.cpus else 0.0  # pinned apart: a reply is waited for spinning
+            super().__init__(t.Channel(group, t.SPECULATOR, settings.float_dtype, device, spin=spin),
+                             settings.vocab_size, timeout)
+        except BaseException:  # (a failed join, or a signal during it): the process goes before the link it waits on
+            self.process.kill()
+            self.process.join(timeout=5)
+            raise
         self.killed_hung: float | None = None  # the heartbeat's age (s) when the watchdog killed the process
         self._stop = threading.Event()
         threading.Thread(target=self._watch, name="speculator-watchdog", daemon=True).start()

@@ -11,6 +11,8 @@ not wait for first-shape costs.
 From its first instruction to its end the process beats a heartbeat (:data:`HEARTBEAT_INTERVAL`): a daemon thread
 writes ``time.monotonic()`` (system-wide on Linux) into a shared double the verifier reads without a message, so a
 process that is alive but not running (stopped, starved, stuck holding the GIL) is told apart from a slow one.
+A verifier that goes away without SHUTDOWN (it exited, or was killed) ends the process quietly with exit code
+:data:`LINK_LOST`, not a traceback in the server's log.
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ from ssd_eagle.ssd import protocol as p
 from ssd_eagle.ssd import transport as t
 
 log = logging.getLogger(__name__)
+
+LINK_LOST = 3  # the speculator process's exit code when the verifier closed the link without a SHUTDOWN
 
 
 @dataclass
@@ -144,9 +148,15 @@ def worker_main(settings: SpeculatorSettings, draft, startup_timeout: float = 30
     speculator = build_speculator(settings, draft, backend=speculator.backend)  # (the warm-up's statistics dropped)
     store = t.open_store(settings.store_port, startup_timeout)
     group = t.pair_group(store, t.SPECULATOR, settings.dist_backend, startup_timeout)
-    channel = t.Channel(group, t.VERIFIER, settings.float_dtype, "cpu" if settings.dist_backend == "gloo" else device,
-                        spin=t.SPIN_SECONDS if settings.cpus else 0.0)  # (pinned: this core is the speculator's)
-    serve(speculator, channel, [])
+    try:
+        channel = t.Channel(group, t.VERIFIER, settings.float_dtype, "cpu" if settings.dist_backend == "gloo" else
+                            device, spin=t.SPIN_SECONDS if settings.cpus else 0.0)  # (pinned: the core is ours)
+        serve(speculator, channel, [])
+    except t.ProtocolMismatch:
+        raise
+    except t.SpeculatorUnavailable as err:  # the verifier went away (exited, or was killed): nothing left to serve
+        log.info("the verifier closed the link; the speculator exits: %s", err)
+        raise SystemExit(LINK_LOST) from None
 
 
 def serve(speculator, channel: t.Channel, intervals: list[float]) -> None:
