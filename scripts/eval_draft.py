@@ -9,7 +9,7 @@ held-out MT-Bench questions (first turn) and held-out HumanEval problems, render
 The full table of issue 14 (tau at K = 3, 5, 7 with the acceptance per position, the SSD bonus-candidate hit rate
 at F = 1..8, teacher-forced tau and step accuracy on the target's greedy answers):
 
-    python scripts/eval_draft.py --draft eagle3=drafts/smollm2-135m-eagle3 --k 3,5,7 --max-tokens 64 --hit-curve \
+    python scripts/eval_draft.py --draft eagle3=drafts/smollm2-135m-eagle3 --k 3,5,7 --max-tokens 64 --hit-curve \\
         --teacher-forced runs/heldout/mtbench-80.jsonl
 
 ``--curve RUN_DIR`` writes ``RUN_DIR/learning_curve.png`` from the training run's ``metrics.jsonl`` (loss, top-1
