@@ -21,8 +21,10 @@ class StartupSignals:
     """SIGTERM and SIGINT from construction until uvicorn takes them over.
 
     Inside the ``with`` block (the model load) they raise :class:`Interrupted`, so the load unwinds (what was built
-    is closed; a speculator process, a daemon, is terminated when the interpreter exits); after the block the signal
-    is kept in ``pending`` for the server to drain on. Two cases need more:
+    is closed); the speculator processes are killed first, since the signal may be raised as the verifier's join of
+    their link returns, and the unwinding would drop the link while a speculator still finishes its side of the
+    join (it printed gloo's "Connection closed by peer"). After the block the signal is kept in ``pending`` for the
+    server to drain on. Two cases need more:
 
     - inside :mod:`multiprocessing` (the speculator's spawn writes its pickled arguments to the child) the signal
       is raised ``RETRY_S`` later (a ``SIGALRM``): a child reading a cut pickle would die with a traceback;
@@ -59,7 +61,14 @@ class StartupSignals:
             signal.setitimer(signal.ITIMER_REAL, self.RETRY_S)
             return
         self.loading, self._deferred = False, None  # (raised once: the unwinding is not interrupted again)
+        self._kill_children()  # (before the unwinding drops a link one of them may still be joining)
         raise Interrupted(signal.Signals(signum).name)
+
+    @staticmethod
+    def _kill_children() -> None:
+        for child in multiprocessing.active_children():
+            child.kill()
+            child.join(1.0)
 
     def _retry(self, signum, frame) -> None:
         if self._deferred is not None:
@@ -75,9 +84,7 @@ class StartupSignals:
             return
 
     def _force_exit(self, name: str) -> None:
-        for child in multiprocessing.active_children():
-            child.kill()
-            child.join(1.0)
+        self._kill_children()
         self.log.info("exited", extra={"fields": {"event": "exited", "clean": True, "during": "startup",
                                                   "signal": name, "forced": True}})
         logging.shutdown()

@@ -182,3 +182,25 @@ def test_a_bf16_aux_crosses_exactly_in_one_row_and_in_several():
         thread.join()
         assert_same_requests(got, [SpecRequest(r.slot, r.num_accepted, r.bonus, r.budget, r.aux.float(),
                                                r.accepted) for r in requests])
+
+
+def test_the_speculators_end_waits_for_a_request_longer_than_its_join_may_take():
+    """An idle server: the speculator's receive has no timeout of its own, and gloo used the pair group's (the
+    join's ``startup_timeout``, 300 s by default), then closed the pair for good: an idle speculator died after 5
+    minutes and was respawned (found in review)."""
+    from types import SimpleNamespace
+
+    from ssd_eagle.ssd.worker import join_link
+
+    store = t.open_store(0, timeout=30)
+    settings = SimpleNamespace(store_port=store.port, dist_backend="gloo", float_dtype=torch.float32, cpus=None)
+    ends = {}
+    joiner = threading.Thread(target=lambda: ends.update(link=join_link(settings, torch.device("cpu"), 1.0)))
+    joiner.start()
+    verifier = t.Channel(t.pair_group(store, t.VERIFIER, timeout=30), t.SPECULATOR)
+    joiner.join()
+    speculator, _speculator_store = ends["link"]
+    thread = _send_later(verifier, p.encode_remove(5), 2.0)  # twice the join's timeout
+    assert p.decode_remove(speculator.recv()) == 5
+    thread.join()
+

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from ssd_eagle.ssd.transport import IDLE_TIMEOUT_S
+
 DRIVER, WORKER, SPECULATOR = "driver", "worker", "speculator"
 
 
@@ -85,7 +87,8 @@ def init_topology(tp_size: int, backend: str | None = None, timeout_s: float = 1
     rank, world = dist.get_rank(), dist.get_world_size()
     _check_world(tp_size, world)
     tp_group = dist.new_group(list(range(tp_size)))
-    pair_group = dist.new_group([0, tp_size]) if world == tp_size + 1 else None
+    pair_group = dist.new_group([0, tp_size], timeout=datetime.timedelta(seconds=IDLE_TIMEOUT_S)) \
+        if world == tp_size + 1 else None  # (the speculator rank waits for requests however long rank 0 idles)
     in_tp = rank < tp_size
     in_pair = pair_group is not None and rank in (0, tp_size)
     return Topology(tp_size=tp_size, rank=rank, local_rank=int(os.environ.get("LOCAL_RANK", rank)), world_size=world,

@@ -59,6 +59,7 @@ from ssd_eagle.ssd.protocol import PROTOCOL_VERSION, Message
 
 HEADER = 4
 VERIFIER, SPECULATOR = 0, 1  # ranks in the pair
+IDLE_TIMEOUT_S = 10 * 365 * 86400.0  # the speculator's wait for a request: "forever" (gloo needs a finite one)
 SPIN_SECONDS = 0.1  # how long an end that owns its cores busy-polls a receive before blocking (module docstring)
 YIELD_LIMIT = 1e-4  # a yield of the spin that took longer ran another process: the spin gives way to a blocking wait
 
@@ -78,14 +79,21 @@ def open_store(port: int = 0, timeout: float = 300.0, host: str = "127.0.0.1") -
                          wait_for_workers=False)
 
 
-def pair_group(store: dist.Store, rank: int, backend: str = "gloo", timeout: float = 300.0):
+def pair_group(store: dist.Store, rank: int, backend: str = "gloo", timeout: float = 300.0,
+               op_timeout: float | None = None):
     """The two-rank process group of the pair (``rank`` 0: the verifier, 1: the speculator); blocks until both
     joined.
+
+    Args:
+        timeout: seconds the join may take (the rendezvous waits on ``store``, opened with its own timeout).
+        op_timeout: seconds a send or receive without a timeout of its own may wait (default ``timeout``). A gloo
+            op that times out closes the pair for good, so the speculator's end, which waits for the verifier's next
+            request however long the server stays idle, passes :data:`IDLE_TIMEOUT_S`.
 
     Raises:
         ValueError: a backend other than ``gloo`` or ``nccl``.
     """
-    span = datetime.timedelta(seconds=timeout)
+    span = datetime.timedelta(seconds=timeout if op_timeout is None else op_timeout)
     store = dist.PrefixStore("ssd-pair/", store)
     if backend == "gloo":
         return dist.ProcessGroupGloo(store, rank, 2, span)

@@ -146,17 +146,30 @@ def worker_main(settings: SpeculatorSettings, draft, startup_timeout: float = 30
     except Exception as err:  # noqa: BLE001 - a failed warm-up only leaves the first-shape costs to the first request
         log.warning("the speculator's warm-up failed (%s); serving without it", err)
     speculator = build_speculator(settings, draft, backend=speculator.backend)  # (the warm-up's statistics dropped)
-    store = t.open_store(settings.store_port, startup_timeout)
-    group = t.pair_group(store, t.SPECULATOR, settings.dist_backend, startup_timeout)
     try:
-        channel = t.Channel(group, t.VERIFIER, settings.float_dtype, "cpu" if settings.dist_backend == "gloo" else
-                            device, spin=t.SPIN_SECONDS if settings.cpus else 0.0)  # (pinned: the core is ours)
+        channel, _store = join_link(settings, device, startup_timeout)
         serve(speculator, channel, [])
     except t.ProtocolMismatch:
         raise
     except t.SpeculatorUnavailable as err:  # the verifier went away (exited, or was killed): nothing left to serve
         log.info("the verifier closed the link; the speculator exits: %s", err)
         raise SystemExit(LINK_LOST) from None
+
+
+def join_link(settings: SpeculatorSettings, device: torch.device, startup_timeout: float):
+    """The speculator's end of the link: ``(channel, store)`` (keep the store while the channel lives). The join
+    may take ``startup_timeout`` s; a receive then waits for the verifier's next request however long the server
+    idles (:data:`~ssd_eagle.ssd.transport.IDLE_TIMEOUT_S`: with the join's timeout, gloo closed the pair of a
+    server idle for 5 minutes and the speculator died).
+
+    Raises:
+        SpeculatorUnavailable: the verifier closed the link as it was being opened.
+    """
+    store = t.open_store(settings.store_port, startup_timeout)
+    group = t.pair_group(store, t.SPECULATOR, settings.dist_backend, startup_timeout, op_timeout=t.IDLE_TIMEOUT_S)
+    channel = t.Channel(group, t.VERIFIER, settings.float_dtype, "cpu" if settings.dist_backend == "gloo" else device,
+                        spin=t.SPIN_SECONDS if settings.cpus else 0.0)  # (pinned: this core is the speculator's)
+    return channel, store
 
 
 def serve(speculator, channel: t.Channel, intervals: list[float]) -> None:
