@@ -203,4 +203,3 @@ def test_the_speculators_end_waits_for_a_request_longer_than_its_join_may_take()
     thread = _send_later(verifier, p.encode_remove(5), 2.0)  # twice the join's timeout
     assert p.decode_remove(speculator.recv()) == 5
     thread.join()
-
