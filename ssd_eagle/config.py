@@ -86,8 +86,9 @@ class SpeculativeConfig(ConfigModel):
     backup: Literal["neural", "fast", "auto"] = Field(
         "auto", description="SSD's backup speculator on a cache miss: neural (the draft drafts K tokens while the "
         "verifier waits), fast (n-gram lookup, ~1 ms) or auto (the default): every round the one with the higher "
-        "expected tokens/s, from what the speculator measures at run time (each backup's time, the verification "
-        "time, the tokens the rounds each backup answered emitted), the other one probed now and then; fast from "
+        "long-run tokens/s, from what the speculator measures at run time (each backup's time, the verification "
+        "time and the tokens of the rounds each source answered, the hit rate of the lookup after each source's "
+        "proposals), the other one probed now and then; fast from "
         "fast_backup_batch rows up; neural until a verification was measured (see ssd_eagle.ssd.backup)")
     fast_backup_batch: int = Field(8, description="rows from which backup auto picks the fast speculator whatever "
                                    "the measured costs")

@@ -45,6 +45,52 @@ def test_auto_picks_the_backup_with_more_expected_tokens_per_second():
     assert shared.preferred(V, 0, 1) == "neural" and shared.preferred(V, 3, 1) == "fast"
 
 
+def test_auto_weighs_each_sources_verification_time():
+    """An empty n-gram proposal is verified by a one-token step: at V_fast = 50 ms the lookup's 1.3 tokens per
+    51 ms (25.5 tok/s) beat the head's 2.0 per 10 + 100 ms (18.2), which one V for both would pick (12.9 < 18.2)."""
+    V = 100e-3
+    choice = measured_choice(10e-3, 2.0)
+    assert choice.preferred(V) == "neural"
+    choice.observe_verify({"neural"}, V)
+    choice.observe_verify({"fast"}, 50e-3)
+    assert choice.verify == {"hit": None, "neural": V, "fast": 50e-3}
+    assert choice.rate("fast", V) == pytest.approx(1.3 / 0.051) and choice.preferred(V) == "fast"
+
+
+def test_auto_weighs_the_hit_rate_of_the_lookup_after_each_backup():
+    """The long-run rate of the module docstring, by hand. Hits bring 3 tokens and are followed by a hit half the
+    time; after the head's proposal the next lookup hits 0.1 of the time, after the lookup's 0.9. One round alone
+    favours the head (2 / 0.110 = 18.2 > 1.3 / 0.101 = 12.9); over the long run the head spends pi = 0.1 / 0.6 = 1/6
+    of its rounds on hits: (3/6 + 2 * 5/6) / (0.1/6 + 0.110 * 5/6) = 20.0 tok/s, the lookup pi = 0.9 / 1.4 = 9/14:
+    (3 * 9 + 1.3 * 5) / (0.1 * 9 + 0.101 * 5) = 23.8."""
+    V = 100e-3
+    choice = measured_choice(10e-3, 2.0, hit_tokens=3.0)
+    assert choice.rate("neural", V) == pytest.approx(2.0 / 0.110) and choice.preferred(V) == "neural"
+    choice.next_hit.update(hit=0.5, neural=0.1, fast=0.9)
+    assert choice.rate("neural", V) == pytest.approx(20.0)
+    assert choice.rate("fast", V) == pytest.approx(33.5 / 1.405)
+    assert choice.preferred(V) == "fast"
+    # two rows: a round waits for the backup unless both hit ((1/6)^2 of the head's rounds)
+    assert choice.rate("neural", V, hits=1, misses=1) == pytest.approx(2 * (13 / 6) / (0.1 / 36 + 0.110 * 35 / 36))
+    # a backup whose proposals are never followed by a hit: every round is its own
+    choice.next_hit.update(neural=0.0)
+    assert choice.rate("neural", V) == pytest.approx(2.0 / 0.110)
+
+
+def test_the_speculator_measures_the_next_hit_and_the_verification_per_source(byte_tokenizer):
+    target = make_tiny_llama(seed=3)
+    engine = ssd_engine(target, noisy_copy(target, 0.02), byte_tokenizer, backup="neural")
+    speculator = engine.drafter.speculator.speculator
+    greedy_with_hits_and_misses(engine, target, random_prompts(2, seed=5), max_tokens=32)
+    choice, stats = speculator.choice, engine.stats
+    assert choice.next_hit["fast"] is None and 0 < choice.next_hit["hit"] < 1 and choice.next_hit["neural"] < 1
+    assert choice.summary()["next_hit"]["neural"] == round(choice.next_hit["neural"], 3)
+    sources = set(speculator._replied)
+    assert sources and sources <= {"hit", "neural"}
+    speculator.observe_verify(0.03)  # (the worker measures it; an in-process speculator has no V)
+    assert speculator.budget.verify_s == 0.03 and all(choice.verify[s] == 0.03 for s in sources)
+
+
 def test_auto_measures_neural_then_fast_probes_the_loser_and_keeps_the_batch_rule():
     choice = BackupChoice(probe_every=4)
     assert choice.choose(None, 0, 1) == "neural"  # no verification measured: the paper's default

@@ -1,30 +1,46 @@
 """``backup: auto``: the speculator's backup on a cache miss, chosen every round from measured costs (issue 13).
 
 On a miss the verifier waits for the backup's draft, then verifies it. A round whose misses the backup b answers
-takes ``W_b + V`` seconds (``W_b``: the backup's measured time, ``V``: the verification, measured by the worker as
-:attr:`BuildBudget.verify_s <ssd_eagle.ssd.budget.BuildBudget.verify_s>`) and each of its rows emits on average
-``E_src`` tokens, ``k + 1`` of the rounds whose proposal came from that source (``hit``, ``neural`` or ``fast``),
-measured when the row's next outcome arrives. With ``h`` rows answered from the cache and ``m`` missed, auto picks
+takes ``W_b + V_b`` seconds (``W_b``: the backup's measured time; ``V_src``: the verification of proposals from
+``src``, measured by the worker per source, since a proposal's length sets what its verification costs: an empty
+n-gram proposal is a one-token step) and each of its rows emits on average ``E_src`` tokens, ``k + 1`` of the rounds
+whose proposal came from that source (``hit``, ``neural`` or ``fast``), measured when the row's next outcome arrives.
+The choice also decides the *next* lookup: the speculator builds the cache for the outcomes of the proposal being
+verified, and a short n-gram proposal gets the whole budget on few outcome nodes, so the lookup after it hits more
+often than after a K-token neural one. With ``h_src`` the measured share of hits among the lookups after proposals
+from ``src``, a row whose misses b answers is a two-state Markov chain (hit -> hit with ``h_hit``, b -> hit with
+``h_b``) that spends a share ``pi = h_b / (1 - h_hit + h_b)`` of its rounds on hits; a round of ``n`` rows waits
+for b unless all of them hit (``pi^n``). Auto picks the higher long-run (renewal-reward) tokens per second
 
-    argmax_b  (h E_hit + m E_b) / (W_b + V)                       (the round's expected tokens per second)
+    argmax_b  n (pi E_hit + (1 - pi) E_b) / (pi^n V_hit + (1 - pi^n) (V_b + W_b))
 
-so a neural backup whose K-step draft is a large share of V (a draft LM's chain: ~95 ms against a ~100 ms
-verification) loses to the n-gram lookup (~1 ms) unless its drafts are accepted that much longer, and a cheap one
-(an EAGLE-3 head on a slow target) keeps drafting. The estimates are faded means (the last ``token_memory`` rounds,
-``time_memory`` calls), so the choice follows the drafter, the text and the batch as they change without flipping
-on one lucky round (a round's k + 1 runs from 1 to K + 1); a backup's first call is not timed (one-off warm-up). Until both backups are measured auto runs neural first (as before), then fast; afterwards the
-backup not chosen answers a *probe* round now and then, so that its estimates stay current: ``probe_every`` miss
-rounds after the choice last changed, then twice as long after every probe that did not change it, up to
-``max_probe_every`` (a slow neural backup that keeps losing costs one of its drafts per 128 misses). Without a measured V (an in-process
-speculator, or a speculator's first round) auto keeps neural; from ``fast_batch`` rows up it picks fast whatever
-the costs (the paper's rule: a batch's neural backup grows with the batch).
+and, until ``h_hit`` and ``h_b`` are measured, the round's own rate with ``h`` cached rows and ``m`` missed,
+``(h E_hit + m E_b) / (W_b + V_b)``. Measured on a 2-core Xeon with AMX (2026-12-03; SmolLM2-135M, bf16,
+EAGLE-3 head, K = 5, batch 1; ``scripts/bench_ssd.py``, old and new rule interleaved, 2 passes each): after the
+lookup's proposals the next lookup hit 0.54 of the time, after the head's 0.28 (after a hit 0.42); the one-round
+rule, blind to that and to ``V_fast`` (56 against 69 ms), kept the head's 21 ms backup for 46 of 47 misses at T = 1,
+the long-run rule took the lookup for 98%: chains at T = 0.5 / 1 went from 1.12-1.25x / 1.06x AR to 1.33-1.42x /
+1.18-1.34x, trees (``tree_budget: auto``) from 1.18-1.21x / 1.02-1.20x / 1.09-1.20x to 1.27-1.45x / 1.29-1.33x /
+1.19-1.29x at T = 0 / 0.5 / 1; T = 0 chains and the draft LM kept their choices.
+
+A neural backup whose K-step draft is a large share of V (a draft LM's chain: ~95 ms against a ~100 ms verification)
+loses to the n-gram lookup (~1 ms) unless its drafts are accepted that much longer, and a cheap one (an EAGLE-3 head
+on a slow target) keeps drafting. The estimates are faded means (the last ``token_memory`` rounds, ``time_memory``
+calls), so the choice follows the drafter, the text and the batch as they change without flipping on one lucky round
+(a round's k + 1 runs from 1 to K + 1); a backup's first call is not timed (one-off warm-up). Until both backups are
+measured auto runs neural first (as before), then fast; afterwards the backup not chosen answers a *probe* round now
+and then, so that its estimates stay current: ``probe_every`` miss rounds after the choice last changed, then twice
+as long after every probe that did not change it, up to ``max_probe_every`` (a slow neural backup that keeps losing
+costs one of its drafts per 128 misses). Without a measured V (an in-process speculator, or a speculator's first
+round) auto keeps neural; from ``fast_batch`` rows up it picks fast whatever the costs (the paper's rule: a batch's
+neural backup grows with the batch).
 
 A build that the verifier's next outcome finds running weighs finishing against answering now with the chosen
 backup (:meth:`BackupChoice.worth_finishing`) by the same tokens-per-second measure.
 
-Limits: the choice weighs one round. After a fast proposal the next build differs (an n-gram proposal is often
-empty, and the build over its single outcome node is cheap and hits more often); that effect reaches the choice only
-through ``E_hit``. Every proposal stays exactly as lossless as before: the choice only decides who drafts.
+Limits: the chain treats a batch's rows as independent, and a round of mixed sources counts its verification
+for each of them. Every proposal stays exactly as
+lossless as before: the choice only decides who drafts.
 """
 
 from __future__ import annotations
@@ -45,6 +61,8 @@ class BackupChoice:
             the longest interval between probes (doubled after every probe that left the choice as it was).
         token_memory / time_memory: observations the faded means of tokens / of times remember.
         tokens: per source, the mean emitted tokens (``k + 1``) of the rounds it answered (None: none seen).
+        next_hit: per source, the share of the lookups after its proposals that hit (None: none seen).
+        verify: per source, the mean verification time of its proposals, seconds (None: none measured).
         seconds: per backup, its mean time per call (None: not timed yet).
         chosen: miss rounds answered by each backup under auto (probes included).
     """
@@ -55,6 +73,8 @@ class BackupChoice:
     token_memory: float = 50.0
     time_memory: float = 10.0
     tokens: dict[str, float | None] = field(default_factory=lambda: dict.fromkeys(SOURCES))
+    next_hit: dict[str, float | None] = field(default_factory=lambda: dict.fromkeys(SOURCES))
+    verify: dict[str, float | None] = field(default_factory=lambda: dict.fromkeys(SOURCES))
     seconds: dict[str, float | None] = field(default_factory=lambda: dict.fromkeys(BACKUPS))
     chosen: dict[str, int] = field(default_factory=lambda: dict.fromkeys(BACKUPS, 0))
     _calls: dict[str, int] = field(default_factory=lambda: dict.fromkeys(BACKUPS, 0))
@@ -64,7 +84,7 @@ class BackupChoice:
     _weights: dict[str, float] = field(default_factory=dict)  # faded observation counts, per estimate
 
     def _faded(self, kind: str, key: str, value: float, memory: float) -> None:
-        """Fold ``value`` into the faded mean ``self.<kind>[key]`` (``kind``: tokens or seconds), the plain mean
+        """Fold ``value`` into the faded mean ``self.<kind>[key]`` (tokens, next_hit, verify or seconds), the plain mean
         while fewer than about ``memory`` values were seen."""
         name, estimates = f"{kind}:{key}", getattr(self, kind)
         weight = self._weights[name] = (1.0 - 1.0 / memory) * self._weights.get(name, 0.0) + 1.0
@@ -74,6 +94,15 @@ class BackupChoice:
     def observe_tokens(self, source: str, emitted: int) -> None:
         """A row whose proposal came from ``source`` emitted ``emitted`` tokens (k + 1) in its verification."""
         self._faded("tokens", source, emitted, self.token_memory)
+
+    def observe_next_hit(self, source: str, hit: bool) -> None:
+        """The lookup of the outcome of a proposal from ``source`` hit the speculation cache (or not)."""
+        self._faded("next_hit", source, float(hit), self.token_memory)
+
+    def observe_verify(self, sources: set[str], seconds: float) -> None:
+        """A verification of a round whose proposals came from ``sources`` took ``seconds``."""
+        for source in sources:
+            self._faded("verify", source, seconds, self.time_memory)
 
     def observe_backup(self, backup: str, seconds: float) -> None:
         """One call of ``backup`` took ``seconds`` (the first call of each is warm-up: not timed)."""
@@ -85,9 +114,19 @@ class BackupChoice:
         return self.tokens[backup] is not None and self.seconds[backup] is not None
 
     def rate(self, backup: str, verify_s: float, hits: int = 0, misses: int = 1) -> float:
-        """Expected tokens per second of a round with ``hits`` cached rows and ``misses`` rows ``backup`` answers."""
-        hit_tokens = hits * (self.tokens["hit"] or 0.0)
-        return (hit_tokens + misses * self.tokens[backup]) / (self.seconds[backup] + verify_s)
+        """Expected tokens per second of the rounds of ``hits + misses`` rows whose misses ``backup`` answers: the
+        long run once the next-hit shares of hits and of ``backup`` are measured, else this round (``hits`` cached
+        rows, ``misses`` rows ``backup`` answers); a source's verification time defaults to ``verify_s``. See the
+        module docstring."""
+        e_hit, e_b, w_b = self.tokens["hit"] or 0.0, self.tokens[backup], self.seconds[backup]
+        v_hit, v_b = (verify_s if self.verify[s] is None else self.verify[s] for s in ("hit", backup))
+        h_hit, h_b = self.next_hit["hit"], self.next_hit[backup]
+        if h_hit is None or h_b is None:
+            return (hits * e_hit + misses * e_b) / (w_b + v_b)
+        rows = hits + misses
+        pi = h_b / (1.0 - h_hit + h_b) if h_b > 0 else 0.0
+        all_hit = pi ** rows
+        return rows * (pi * e_hit + (1.0 - pi) * e_b) / (all_hit * v_hit + (1.0 - all_hit) * (v_b + w_b))
 
     def preferred(self, verify_s: float | None, hits: int = 0, misses: int = 1) -> str:
         """The backup auto would pick for such a round, without probing: fast from ``fast_batch`` rows up, neural
@@ -134,6 +173,8 @@ class BackupChoice:
     def summary(self) -> dict:
         """JSON-ready: the estimates (tokens per round, milliseconds per call) and the miss rounds per backup."""
         return {"tokens": {s: None if t is None else round(t, 3) for s, t in self.tokens.items()},
+                "next_hit": {s: None if h is None else round(h, 3) for s, h in self.next_hit.items()},
+                "verify_ms": {s: None if t is None else round(1e3 * t, 3) for s, t in self.verify.items()},
                 "ms": {b: None if t is None else round(1e3 * t, 3) for b, t in self.seconds.items()},
                 "chosen": dict(self.chosen)}
 

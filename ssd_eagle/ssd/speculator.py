@@ -128,6 +128,7 @@ class Speculator:
         self.budget = BuildBudget()  # caps the branches so that a build fits in one verification
         self._stop = BuildStop()  # when the running build stops early (set by build)
         self._to_build: list[tuple[_Seq, bool]] = []
+        self._replied: set[str] = set()  # who made the last round's proposals (hit, neural, fast)
         self._spent: list[dict] = []  # the last round's speculation caches, freed by the build (after the reply)
 
     def _set_fanout(self, fanout: list[int], fanout_miss: list[int] | None = None) -> None:
@@ -205,7 +206,14 @@ class Speculator:
                                           looked_up)
             for i, seq, draft in zip(misses, rows, drafts):
                 replies[i] = self._reply(seq, draft, lookups[i], backup, requests[i].budget)
+        self._replied = {self.seqs[req.slot].source for req in requests} - {None}
         return replies
+
+    def observe_verify(self, seconds: float) -> None:
+        """The verifier's round after the last replies took ``seconds`` (measured by the worker): the build
+        budget's V, and auto's V per proposal source (:mod:`ssd_eagle.ssd.backup`)."""
+        self.budget.observe_verify(seconds)
+        self.choice.observe_verify(self._replied, seconds)
 
     def _key(self, seq: _Seq, req: SpecRequest) -> tuple[tuple[int, ...], int]:
         accepted = req.accepted if req.accepted is not None else seq.proposal.tokens[: req.num_accepted]
@@ -241,6 +249,7 @@ class Speculator:
         self.stats.lookups += 1
         hit = (path, bonus) in seq.cache
         self.stats.hits += hit
+        self.choice.observe_next_hit(seq.source, hit)
         if seq.built:
             self.budget.observe_lookup(hit)
         return hit

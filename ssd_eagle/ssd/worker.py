@@ -207,7 +207,7 @@ def serve(speculator, channel: t.Channel, intervals: list[float]) -> None:
             channel.send(p.encode_stats(speculator.stats, intervals))
         elif msg.command == p.PROPOSE:
             if sent is not None:
-                speculator.budget.observe_verify((arrived or time.perf_counter()) - sent)
+                speculator.observe_verify((arrived or time.perf_counter()) - sent)
             early = None
             try:
                 early = speculator.peek(p.decode_propose(msg, aux=False))
