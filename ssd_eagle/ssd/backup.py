@@ -36,11 +36,10 @@ round) auto keeps neural; from ``fast_batch`` rows up it picks fast whatever the
 neural backup grows with the batch).
 
 A build that the verifier's next outcome finds running weighs finishing against answering now with the chosen
-backup (:meth:`BackupChoice.worth_finishing`) by the same tokens-per-second measure.
+backup (:meth:`BackupChoice.worth_finishing`) by the one-round tokens-per-second measure (one V for every source).
 
 Limits: the chain treats a batch's rows as independent, and a round of mixed sources counts its verification
-for each of them. Every proposal stays exactly as
-lossless as before: the choice only decides who drafts.
+for each of them. Every proposal stays exactly as lossless as before: the choice only decides who drafts.
 """
 
 from __future__ import annotations
@@ -171,7 +170,8 @@ class BackupChoice:
         return finish > e_b / (w_b + verify_s)
 
     def summary(self) -> dict:
-        """JSON-ready: the estimates (tokens per round, milliseconds per call) and the miss rounds per backup."""
+        """JSON-ready: the estimates (tokens per round, next-hit shares and verification milliseconds per source,
+        milliseconds per backup call) and the miss rounds per backup."""
         return {"tokens": {s: None if t is None else round(t, 3) for s, t in self.tokens.items()},
                 "next_hit": {s: None if h is None else round(h, 3) for s, h in self.next_hit.items()},
                 "verify_ms": {s: None if t is None else round(1e3 * t, 3) for s, t in self.verify.items()},
