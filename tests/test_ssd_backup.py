@@ -19,7 +19,7 @@ from test_ssd import SlowTarget, ssd_engine
 
 def measured_choice(neural_s: float, neural_tokens: float, fast_s: float = 1e-3, fast_tokens: float = 1.3,
                     hit_tokens: float | None = None, **kwargs) -> BackupChoice:
-    choice = BackupChoice(**kwargs)
+    choice = BackupChoice(**{"prior_weight": 0.0, "neural_margin": 0.0, **kwargs})  # the rates by hand
     for backup, seconds, tokens in (("neural", neural_s, neural_tokens), ("fast", fast_s, fast_tokens)):
         choice.observe_backup(backup, 99.0)  # the first call is warm-up: not timed
         choice.observe_backup(backup, seconds)
@@ -77,6 +77,62 @@ def test_auto_weighs_the_hit_rate_of_the_lookup_after_each_backup():
     assert choice.rate("neural", V) == pytest.approx(2.0 / 0.110)
 
 
+def test_auto_weighs_the_tokens_of_the_hits_after_each_backup():
+    """A hit right after an empty lookup proposal comes from a cache built for one outcome from fresh target
+    features, and is accepted longer than one after the head's K-token proposal (SmolLM2, T = 0: ~1.6-2.1 tokens
+    against ~1.2-1.8). The module docstring's chain with the next-hit shares of the test above (hit 0.5, neural 0.1,
+    fast 0.9): half the hits come right after the backup. Hits after the head bring 1 token, after the lookup 3,
+    after a hit 2: the head (1/6 (0.5 + 1) + 5/6 2) / (0.1/6 + 0.110 * 5/6) = 17.7 tok/s, the lookup
+    (9/14 (1.5 + 1) + 5/14 1.3) / (0.1 * 9/14 + 0.101 * 5/14) = 20.6; with one mean of 2 for every hit the head
+    would win, 18.5 against 17.4."""
+    V = 100e-3
+    choice = measured_choice(10e-3, 2.0, token_memory=1e12)  # (plain means)
+    choice.next_hit.update(hit=0.5, neural=0.1, fast=0.9)
+    for after, tokens in (("neural", 1), ("fast", 3), ("hit", 2)):
+        choice.observe_tokens("hit", tokens, after=after)
+    assert choice.tokens["hit"] == pytest.approx(2.0)
+    assert choice.hit_tokens == pytest.approx({"hit": 2.0, "neural": 1.0, "fast": 3.0})
+    assert choice.rate("neural", V) == pytest.approx((1.5 / 6 + 2 * 5 / 6) / (0.1 / 6 + 0.110 * 5 / 6))
+    assert choice.rate("fast", V) == pytest.approx(29 / 1.405)
+    assert choice.preferred(V) == "fast"
+    choice.hit_tokens.update(neural=None, fast=None, hit=None)  # (unknown: every hit counts the mean of 2)
+    assert choice.rate("neural", V) == pytest.approx(2 / (0.1 / 6 + 0.110 * 5 / 6)) and choice.preferred(V) == "neural"
+
+
+def test_one_lucky_round_of_a_backup_seen_once_does_not_flip_the_choice():
+    """A source's tokens are shrunk toward the mean of all sources by ``prior_weight`` pseudo-observations (plain
+    means here: no fading). The lookup emitted 1.5 tokens in 10 rounds, the head once 2.5: alone, 2.5 / 0.12 = 20.8
+    tok/s beat 1.5 / 0.101 = 14.9; shrunk, (2.5 + 4 * 17.5/11) / 5 = 1.773 tokens (14.8 tok/s) lose to the lookup's
+    (15 + 4 * 17.5/11) / 14 = 1.526 (15.1)."""
+    V = 100e-3
+
+    def choice_with(prior_weight: float) -> BackupChoice:
+        choice = BackupChoice(prior_weight=prior_weight, neural_margin=0.0, token_memory=1e12)
+        for backup, seconds in (("neural", 20e-3), ("fast", 1e-3)):
+            for _ in range(2):
+                choice.observe_backup(backup, seconds)
+        for _ in range(10):
+            choice.observe_tokens("fast", 1.5)
+        choice.observe_tokens("neural", 2.5)
+        return choice
+
+    assert choice_with(0.0).preferred(V) == "neural"
+    shrunk = choice_with(4.0)
+    assert shrunk.shrunk("tokens", "neural") == pytest.approx((2.5 + 4 * 17.5 / 11) / 5)
+    assert shrunk.shrunk("tokens", "fast") == pytest.approx((15 + 4 * 17.5 / 11) / 14)
+    assert shrunk.preferred(V) == "fast"
+
+
+def test_auto_keeps_the_lookup_unless_the_head_beats_it_by_the_margin():
+    """The lookup's 1.3 tokens per 101 ms (12.9 tok/s) against the head's drafts at 110 ms: 1.45 tokens (13.2, 2%
+    more) and 1.55 (14.1, 9% more) keep the lookup under the default 10% margin, 1.6 (14.5, 13% more) picks the
+    head."""
+    V = 100e-3
+    for tokens, expected in ((1.45, "fast"), (1.55, "fast"), (1.6, "neural")):
+        assert measured_choice(10e-3, tokens, neural_margin=0.1).preferred(V) == expected
+    assert measured_choice(10e-3, 1.45).preferred(V) == "neural"  # (no margin)
+
+
 def test_the_speculator_measures_the_next_hit_and_the_verification_per_source(byte_tokenizer):
     target = make_tiny_llama(seed=3)
     engine = ssd_engine(target, noisy_copy(target, 0.02), byte_tokenizer, backup="neural")
@@ -85,6 +141,8 @@ def test_the_speculator_measures_the_next_hit_and_the_verification_per_source(by
     choice, stats = speculator.choice, engine.stats
     assert choice.next_hit["fast"] is None and 0 < choice.next_hit["hit"] < 1 and choice.next_hit["neural"] < 1
     assert choice.summary()["next_hit"]["neural"] == round(choice.next_hit["neural"], 3)
+    # every sequence's first hit follows the head's proposal: its tokens are counted as a hit after neural
+    assert choice.hit_tokens["neural"] is not None and choice.hit_tokens["fast"] is None
     sources = set(speculator._replied)
     assert sources and sources <= {"hit", "neural"}
     speculator.observe_verify(0.03)  # (the worker measures it; an in-process speculator has no V)
@@ -92,7 +150,7 @@ def test_the_speculator_measures_the_next_hit_and_the_verification_per_source(by
 
 
 def test_auto_measures_neural_then_fast_probes_the_loser_and_keeps_the_batch_rule():
-    choice = BackupChoice(probe_every=4)
+    choice = BackupChoice(probe_every=4, prior_weight=0.0, neural_margin=0.0)
     assert choice.choose(None, 0, 1) == "neural"  # no verification measured: the paper's default
     assert choice.choose(0.1, 0, 8) == "fast"  # fast_batch rows: fast whatever the costs
     for _ in range(2):

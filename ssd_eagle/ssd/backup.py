@@ -23,6 +23,25 @@ the long-run rule took the lookup for 98%: chains at T = 0.5 / 1 went from 1.12-
 1.18-1.34x, trees (``tree_budget: auto``) from 1.18-1.21x / 1.02-1.20x / 1.09-1.20x to 1.27-1.45x / 1.29-1.33x /
 1.19-1.29x at T = 0 / 0.5 / 1; T = 0 chains and the draft LM kept their choices.
 
+Three refinements (2026-12-03, later, same machine and bench, EAGLE-3 head run 7, old and new interleaved, 2 passes):
+
+- ``E_hit`` depends on the proposal before the hit. At T = 0 the lookup mostly finds nothing, and after its empty
+  proposal the whole budget went to one outcome, drafted from fresh target features: those hits emitted 1.6-2.1
+  tokens, those after a hit 1.0-1.3. One ``E_hit`` made the lookup look 15-20% worse than it ran. Hits are counted
+  per predecessor (``hit_tokens``); in the chain a share ``1 - h_hit`` of the hits comes right after b, so
+  ``E_hit = (1 - h_hit) E_hit|b + h_hit E_hit|hit``.
+- A source's tokens and next-hit share are shrunk toward the mean of all sources by ``prior_weight``
+  pseudo-observations (:meth:`BackupChoice.shrunk`): a head seen twice, then one 6-token probe, no longer looks
+  twice as good.
+- Neural must beat the lookup by ``neural_margin`` (10%). Its drafts make the verifier wait, and its estimate rests
+  on few rounds. Within 10% the two were a tie that flipped back and forth, each flip costing 13-15 ms per miss.
+
+Before these, auto ran at 1.23-1.24x / 1.18-1.19x / 1.10-1.15x AR at T = 0 / 0.5 / 1, below the lookup alone
+(1.29-1.33x / 1.40x / 1.27-1.30x). After: 1.31-1.37x / 1.46-1.48x / 1.18-1.25x, against 1.32-1.37x / 1.41-1.45x /
+1.34-1.37x for the lookup. Trees (``tree_budget: auto``) went from 1.33-1.37x / 1.27-1.33x / 1.02-1.11x to
+1.39-1.47x / 1.39-1.43x / 1.29-1.42x. The draft LM's geometric chain went from 1.20-1.28x / 1.29-1.33x / 1.12-1.18x
+to 1.27-1.29x / 1.30-1.41x / 1.18-1.22x.
+
 A neural backup whose K-step draft is a large share of V (a draft LM's chain: ~95 ms against a ~100 ms verification)
 loses to the n-gram lookup (~1 ms) unless its drafts are accepted that much longer, and a cheap one (an EAGLE-3 head
 on a slow target) keeps drafting. The estimates are faded means (the last ``token_memory`` rounds, ``time_memory``
@@ -59,7 +78,12 @@ class BackupChoice:
         probe_every / max_probe_every: miss rounds from a change of choice to the first probe of the other backup /
             the longest interval between probes (doubled after every probe that left the choice as it was).
         token_memory / time_memory: observations the faded means of tokens / of times remember.
+        prior_weight: pseudo-observations of the pooled mean (all sources) that :meth:`rate` folds into each
+            source's tokens and next-hit share, so that a source seen a few times is judged close to the rest.
+        neural_margin: the share by which the neural backup's rate must beat the lookup's for auto to pick it.
         tokens: per source, the mean emitted tokens (``k + 1``) of the rounds it answered (None: none seen).
+        hit_tokens: per source, the mean emitted tokens of the hits that came right after its proposals (a hit after
+            an empty lookup proposal was built for one outcome with the whole budget, from fresh target features).
         next_hit: per source, the share of the lookups after its proposals that hit (None: none seen).
         verify: per source, the mean verification time of its proposals, seconds (None: none measured).
         seconds: per backup, its mean time per call (None: not timed yet).
@@ -71,7 +95,10 @@ class BackupChoice:
     max_probe_every: int = 128
     token_memory: float = 50.0
     time_memory: float = 10.0
+    prior_weight: float = 4.0
+    neural_margin: float = 0.1
     tokens: dict[str, float | None] = field(default_factory=lambda: dict.fromkeys(SOURCES))
+    hit_tokens: dict[str, float | None] = field(default_factory=lambda: dict.fromkeys(SOURCES))
     next_hit: dict[str, float | None] = field(default_factory=lambda: dict.fromkeys(SOURCES))
     verify: dict[str, float | None] = field(default_factory=lambda: dict.fromkeys(SOURCES))
     seconds: dict[str, float | None] = field(default_factory=lambda: dict.fromkeys(BACKUPS))
@@ -90,9 +117,12 @@ class BackupChoice:
         old = estimates[key]
         estimates[key] = value if old is None else old + (value - old) / weight
 
-    def observe_tokens(self, source: str, emitted: int) -> None:
-        """A row whose proposal came from ``source`` emitted ``emitted`` tokens (k + 1) in its verification."""
+    def observe_tokens(self, source: str, emitted: int, after: str | None = None) -> None:
+        """A row whose proposal came from ``source`` emitted ``emitted`` tokens (k + 1) in its verification; a hit's
+        count also goes to ``hit_tokens[after]`` (``after``: the source of the proposal before it, None: unknown)."""
         self._faded("tokens", source, emitted, self.token_memory)
+        if source == "hit" and after is not None:
+            self._faded("hit_tokens", after, emitted, self.token_memory)
 
     def observe_next_hit(self, source: str, hit: bool) -> None:
         """The lookup of the outcome of a proposal from ``source`` hit the speculation cache (or not)."""
@@ -109,6 +139,19 @@ class BackupChoice:
         if self._calls[backup] > 1:
             self._faded("seconds", backup, seconds, self.time_memory)
 
+    def shrunk(self, kind: str, key: str) -> float | None:
+        """``self.<kind>[key]`` (``tokens``, ``hit_tokens`` or ``next_hit``) with ``prior_weight`` pseudo-observations of the mean of
+        all sources (weighted by their observation counts) folded in: a backup with 2 observations of 6 tokens
+        against a pooled 1.5 counts (2 * 6 + 4 * 1.5) / 6 = 3, not 6. Values set by hand (no observations) are
+        returned as they are."""
+        estimates = getattr(self, kind)
+        weights = {s: self._weights.get(f"{kind}:{s}", 0.0) for s, v in estimates.items() if v is not None}
+        total, own = sum(weights.values()), estimates[key]
+        if own is None or total == 0.0 or self.prior_weight == 0.0:
+            return own
+        pooled = sum(w * estimates[s] for s, w in weights.items()) / total
+        return (weights[key] * own + self.prior_weight * pooled) / (weights[key] + self.prior_weight)
+
     def measured(self, backup: str) -> bool:
         return self.tokens[backup] is not None and self.seconds[backup] is not None
 
@@ -117,26 +160,30 @@ class BackupChoice:
         long run once the next-hit shares of hits and of ``backup`` are measured, else this round (``hits`` cached
         rows, ``misses`` rows ``backup`` answers); a source's verification time defaults to ``verify_s``. See the
         module docstring."""
-        e_hit, e_b, w_b = self.tokens["hit"] or 0.0, self.tokens[backup], self.seconds[backup]
+        e_hit, e_b, w_b = self.shrunk("tokens", "hit") or 0.0, self.shrunk("tokens", backup), self.seconds[backup]
         v_hit, v_b = (verify_s if self.verify[s] is None else self.verify[s] for s in ("hit", backup))
-        h_hit, h_b = self.next_hit["hit"], self.next_hit[backup]
+        h_hit, h_b = self.shrunk("next_hit", "hit"), self.shrunk("next_hit", backup)
         if h_hit is None or h_b is None:
             return (hits * e_hit + misses * e_b) / (w_b + v_b)
         rows = hits + misses
         pi = h_b / (1.0 - h_hit + h_b) if h_b > 0 else 0.0
         all_hit = pi ** rows
+        after_b, after_hit = (e_hit if (e := self.shrunk("hit_tokens", s)) is None else e for s in (backup, "hit"))
+        e_hit = (1.0 - h_hit) * after_b + h_hit * after_hit  # a share 1 - h_hit of the hits come right after b
         return rows * (pi * e_hit + (1.0 - pi) * e_b) / (all_hit * v_hit + (1.0 - all_hit) * (v_b + w_b))
 
     def preferred(self, verify_s: float | None, hits: int = 0, misses: int = 1) -> str:
         """The backup auto would pick for such a round, without probing: fast from ``fast_batch`` rows up, neural
-        without a measured V, the unmeasured one (neural first) until both are measured, else the higher rate."""
+        without a measured V, the unmeasured one (neural first) until both are measured, then neural only where its
+        rate beats the lookup's by ``neural_margin``."""
         if hits + misses >= self.fast_batch:
             return "fast"
         if verify_s is None:
             return "neural"
         if not all(map(self.measured, BACKUPS)):
             return "neural" if not self.measured("neural") else "fast"
-        return max(BACKUPS, key=lambda b: self.rate(b, verify_s, hits, misses))
+        neural, fast = (self.rate(b, verify_s, hits, misses) for b in BACKUPS)
+        return "neural" if neural > (1.0 + self.neural_margin) * fast else "fast"
 
     def choose(self, verify_s: float | None, hits: int, misses: int) -> str:
         """The backup for a round of ``hits + misses`` rows, ``misses`` of them missed: :meth:`preferred`, or the
@@ -165,7 +212,7 @@ class BackupChoice:
         backup = self.preferred(verify_s, 0, rows)
         if verify_s is None or self.tokens["hit"] is None or not self.measured(backup):
             return None
-        e_hit, e_b, w_b = self.tokens["hit"], self.tokens[backup], self.seconds[backup]
+        e_hit, e_b, w_b = self.shrunk("tokens", "hit"), self.shrunk("tokens", backup), self.seconds[backup]
         finish = (hit_rate * e_hit + (1 - hit_rate) * e_b) / (remaining_s + (1 - hit_rate) * w_b + verify_s)
         return finish > e_b / (w_b + verify_s)
 
@@ -173,6 +220,7 @@ class BackupChoice:
         """JSON-ready: the estimates (tokens per round, next-hit shares and verification milliseconds per source,
         milliseconds per backup call) and the miss rounds per backup."""
         return {"tokens": {s: None if t is None else round(t, 3) for s, t in self.tokens.items()},
+                "hit_tokens_after": {s: None if t is None else round(t, 3) for s, t in self.hit_tokens.items()},
                 "next_hit": {s: None if h is None else round(h, 3) for s, h in self.next_hit.items()},
                 "verify_ms": {s: None if t is None else round(1e3 * t, 3) for s, t in self.verify.items()},
                 "ms": {b: None if t is None else round(1e3 * t, 3) for b, t in self.seconds.items()},

@@ -78,6 +78,7 @@ class _Seq:
     candidates: dict[tuple[int, ...], list[int]] = field(default_factory=dict)  # per accepted path, best first
     nodes: tuple[NodeLayout, list[list[int]], list[float]] | None = None  # the proposal's, ranks, draft's P(land)
     source: str | None = None  # who made the proposal: "hit", "neural" or "fast" (None: none, or a budget of 0)
+    after: str | None = None  # the source of the proposal before it (a hit's tokens depend on it: backup.py)
 
 
 class Speculator:
@@ -231,8 +232,9 @@ class Speculator:
             # the accepted path is cached where it lies only for a chain (trees are fed again)
             seq.num_cached = seq.path_base + (len(path) if proposal.parents is None else 0)
         if proposal is None or seq.source is None or req.rounds > 1:
+            seq.source = None if req.rounds > 1 else seq.source  # (rounds in between: no predecessor to name)
             return None
-        self.choice.observe_tokens(seq.source, len(path) + 1)
+        self.choice.observe_tokens(seq.source, len(path) + 1, after=seq.after)
         cands = seq.candidates.get(path)
         if cands is not None:
             self.stats.bonus_ranks.append(cands.index(bonus) if bonus in cands else -1)
@@ -275,7 +277,8 @@ class Speculator:
     def _reply(self, seq: _Seq, draft: Proposal, lookup: dict, source: str, budget: int) -> Proposal:
         """Remember ``draft`` as the row's proposal, made by ``source`` (hit, neural or fast) for ``budget`` tokens;
         the reply is :meth:`_reply_copy`, naming the backup when one drafted it."""
-        seq.proposal, seq.fed, seq.source = draft, False, source if budget > 0 else None
+        seq.proposal, seq.fed = draft, False
+        seq.after, seq.source = seq.source, source if budget > 0 else None
         seq.path_base = len(seq.token_ids)
         return self._reply_copy(draft, lookup, None if source == "hit" else source)
 
