@@ -134,6 +134,8 @@ def configs(args) -> dict[str, Config]:
         Config("sd_eagle3_plan", "sd", {"method": "eagle3", "model": head}, plan=True),
         Config("sd_lm_plan", "sd", {"method": "draft_model", "model": lm}, plan=True),
         Config("ssd_eagle3_plan", "ssd", {"method": "eagle3", "model": head, **geometric}, plan=True),
+        Config("sd_eagle3_tree_plan", "sd", {**e3, **tree}, plan=True),  # a tree planned on or off
+        Config("ssd_eagle3_tree_plan", "ssd", {**e3, "tree_budget": "auto", "fanout_budget": B}, plan=True),
         Config("hf_assisted", "hf", hf="assisted"),
         Config("hf_lookup", "hf", hf="lookup"),
         # the shape-invariant experiment: judged bitwise against ar_fixed

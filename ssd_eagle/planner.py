@@ -11,7 +11,8 @@ tokens per row, where ``a_i`` is the probability that draft position i is accept
 ``sum_rows E_row(K) / T(K)``; K = 0 (plain decoding) competes on the same footing, so a drafter that does not pay
 is switched off. While off, a request *probes* (a short draft now and then, less often while probes fail) so that
 speculation comes back when drafts start to pay. SSD engines are planned the same way, their ``D(K)`` being the
-verifier's wait for the speculator (see :func:`planner_for`).
+verifier's wait for the speculator (see :func:`planner_for`). A tree is planned on or off: its round verifies all
+its nodes, and ``a_i`` is the chance that its accepted path reaches depth i (:class:`PlannerConfig`).
 
 Costs: :func:`measure_verify_costs` times ``V(n, B)`` for n = 1..N new tokens per batch-size bucket in a few
 forwards at start-up; the table is cached on disk per (model, dtype, threads and CPU affinity, torch version, code
@@ -218,6 +219,10 @@ class PlannerConfig:
         probe_k: length of a probe.
         learn_costs: False takes the cost table as it is and drafting as free (no online correction of ``V``, no
             learnt ``D(K)``): for a table made by hand (tests, what-if runs).
+        tree_nodes: the nodes of a tree round (0: chains). A tree is planned on or off: K is 0 or ``max_k`` (its
+            depth), a round on verifies ``tree_nodes + 1`` tokens, a probe is a whole tree, and ``a_i`` is the
+            chance that the accepted path reaches depth i given it reached i - 1 (so ``E`` is the tree's tokens per
+            round).
     """
 
     max_k: int
@@ -228,6 +233,7 @@ class PlannerConfig:
     probe_overhead: float = 0.02
     probe_k: int = 2
     learn_costs: bool = True
+    tree_nodes: int = 0
 
 
 class Planner:
@@ -252,9 +258,16 @@ class Planner:
         self.decisions: dict[int, int] = {}
 
     def round_time(self, k: int, batch: int) -> float:
-        """Predicted seconds of a round drafting ``k`` tokens for ``batch`` rows."""
+        """Predicted seconds of a round drafting ``k`` tokens (a tree: ``k`` levels) for ``batch`` rows."""
         draft = self.draft_cost.predict(k, default=0.0) if k else 0.0
-        return self.verify_scale * self.costs.verify_time(k + 1, batch) + draft
+        width = self.config.tree_nodes + 1 if k and self.config.tree_nodes else k + 1
+        return self.verify_scale * self.costs.verify_time(width, batch) + draft
+
+    @property
+    def probe_k(self) -> int:
+        """Draft length of a probe (a tree's: its whole depth)."""
+        cfg = self.config
+        return cfg.max_k if cfg.tree_nodes else min(cfg.probe_k, cfg.max_k)
 
     def rate(self, k: int, request_ids: list[str]) -> float:
         """Expected emitted tokens per second for the batch at draft length ``k``."""
@@ -274,7 +287,7 @@ class Planner:
         if not cfg.adaptive or cfg.max_k == 0 or not request_ids:
             k = cfg.max_k
         else:
-            candidates = range(cfg.max_k + 1) if cfg.choose_k else (0, cfg.max_k)
+            candidates = range(cfg.max_k + 1) if cfg.choose_k and not cfg.tree_nodes else (0, cfg.max_k)
             k = max(candidates, key=lambda c: (self.rate(c, request_ids), -c))
         self.decisions[k] = self.decisions.get(k, 0) + 1
         out = {}
@@ -287,7 +300,7 @@ class Planner:
                 if probe:
                     self.probe_interval[r] = min(2 * backoff, max(cfg.max_probe_every, cfg.probe_every))
                 self.idle_rounds[r] = 0 if probe else idle
-                out[r] = (min(cfg.probe_k, cfg.max_k), True) if probe else (0, False)
+                out[r] = (self.probe_k, True) if probe else (0, False)
             else:
                 self.idle_rounds[r] = 0
                 self.probe_interval.pop(r, None)
@@ -306,7 +319,7 @@ class Planner:
         """Fewest rounds between a request's probes for them to cost at most ``probe_overhead`` of the time of
         plain decoding (from the cost table and the learnt drafting cost)."""
         plain = self.round_time(0, batch)
-        extra = self.round_time(min(self.config.probe_k, self.config.max_k), batch) - plain + self.catch_up_cost
+        extra = self.round_time(self.probe_k, batch) - plain + self.catch_up_cost
         return max(1, math.ceil(extra / (self.config.probe_overhead * plain) - 1e-9)) if plain > 0 else 1
 
     def observe(self, drafted: dict[str, tuple[int, int]], draft_seconds: float, verify_seconds: float,
@@ -314,7 +327,8 @@ class Planner:
         """Learn from a verified round.
 
         Args:
-            drafted: ``{request_id: (num_drafted, num_accepted)}`` for the round's chain rows.
+            drafted: ``{request_id: (num_drafted, num_accepted)}`` for the round's rows (a tree's depth as
+                ``num_drafted``, its accepted path's length as ``num_accepted``).
             draft_seconds / verify_seconds: the round's measured drafting and verification time.
             width: new tokens per row in the verify forward (longest draft + 1).
             catch_up_seconds: the part of ``draft_seconds`` the drafter spent feeding the tokens of rounds it
@@ -352,9 +366,8 @@ class Planner:
 
     def observe_round(self, seqs: list, proposals: list, paths: list[list[int]], draft_seconds: float,
                       verify_seconds: float, catch_up_seconds: float = 0.0) -> None:
-        """The engine's hook after verifying: learn from the chain rows of the round (trees are not planned)."""
-        drafted = {s.request_id: (len(p.tokens), len(path)) for s, p, path in zip(seqs, proposals, paths)
-                   if p.parents is None}
+        """The engine's hook after verifying: learn from the round (a tree row as its depth and accepted path)."""
+        drafted = {s.request_id: (p.depth, len(path)) for s, p, path in zip(seqs, proposals, paths)}
         width = 1 + max((len(p.tokens) for p in proposals), default=0)
         self.observe(drafted, draft_seconds, verify_seconds, width, catch_up_seconds)
 
@@ -370,12 +383,13 @@ class Planner:
 
 
 def planner_for(engine, spec) -> Planner | None:
-    """The planner of an engine built from a speculative config whose ``adaptive`` is on, for chains on a
-    single-device target (None otherwise: trees, a tensor-parallel target, ``adaptive: false``). Measures (or reads
-    back) the verify cost table, so call it before any request is admitted.
+    """The planner of an engine built from a speculative config whose ``adaptive`` is on, on a single-device target
+    (None otherwise: a tensor-parallel target, ``adaptive: false``). Measures (or reads back) the verify cost table,
+    so call it before any request is admitted.
 
     K in 0..K is the planner's to choose unless ``num_speculative_tokens`` was given explicitly (then only 0 or K),
-    for SD and SSD alike. For SSD the round's ``draft_seconds`` is the verifier's wait for the speculator: about
+    for SD and SSD alike; a tree (``tree_budget``) is planned on or off (:class:`PlannerConfig`), so that a tree
+    whose drafts do not pay falls back to plain decoding too. For SSD the round's ``draft_seconds`` is the verifier's wait for the speculator: about
     nothing on a cache hit and a backup drafting k tokens on a miss, so the learnt line ``d0 + d1 k`` is the mean
     wait ``(1 - p) D_backup(k)`` at the measured hit rate p, and the planner picks the k that maximises
     ``E(k) / (V(k + 1) + wait(k))``, which is SD's rule with SD's draft time replaced by SSD's wait: wherever a
@@ -391,11 +405,12 @@ def planner_for(engine, spec) -> Planner | None:
     from ssd_eagle.ssd.client import LocalSpeculator
 
     mode = getattr(engine.drafter, "mode", "sd")
-    if not spec.adaptive or spec.tree_budget or mode not in ("sd", "ssd") or not isinstance(engine.target, ModelRunner):
+    if not spec.adaptive or mode not in ("sd", "ssd") or not isinstance(engine.target, ModelRunner):
         return None
     if isinstance(getattr(engine.drafter, "speculator", None), LocalSpeculator):
         return None
-    k = spec.num_speculative_tokens
-    costs = measure_verify_costs(engine.target, k + 1, engine.max_num_seqs)
+    tree = spec.tree_settings()
+    k = tree.depth if tree is not None else spec.num_speculative_tokens
+    costs = measure_verify_costs(engine.target, spec.max_draft_tokens + 1, engine.max_num_seqs)
     choose_k = "num_speculative_tokens" not in spec.model_fields_set
-    return Planner(PlannerConfig(max_k=k, choose_k=choose_k), costs)
+    return Planner(PlannerConfig(max_k=k, choose_k=choose_k, tree_nodes=tree.budget if tree else 0), costs)

@@ -55,6 +55,18 @@ def test_explicit_k_chooses_only_between_off_and_k():
     assert planner.choose(["r"]) == {"r": 0}
 
 
+def test_a_tree_is_planned_on_or_off_at_its_width():
+    """A depth-3, 8-node tree whose accepted path reaches each depth with 0.8: E = 1 + 0.8 + 0.64 + 0.512 = 2.952
+    tokens a round, verifying 9 tokens. Flat verification: the whole tree (not a shallower one, whatever choose_k
+    says); V(9) = 3.5 V(1): 0.84 tokens per V(1), so plain decoding; a probe is a whole tree."""
+    flat = planner_with([1.0] * 9, rate=0.8, max_k=3, tree_nodes=8)
+    assert flat.config.choose_k and flat.choose(["r"]) == {"r": 3}
+    assert flat.rate(3, ["r"]) == pytest.approx(2.952, rel=1e-3)
+    steep = planner_with([1.0] * 8 + [3.5], rate=0.8, max_k=3, tree_nodes=8, probe_every=2, probe_overhead=10.0)
+    assert steep.rate(3, ["r"]) == pytest.approx(2.952 / 3.5, rel=1e-3) and steep.probe_k == 3
+    assert [steep.decide(["r"])["r"] for _ in range(3)] == [(0, False), (3, True), (0, False)]
+
+
 def test_not_adaptive_always_drafts_k():
     planner = planner_with([1.0, 2.0, 3.0, 4.0, 5.0, 6.0], rate=0.0, adaptive=False)
     assert planner.choose(["r"]) == {"r": 5}
@@ -196,7 +208,7 @@ def test_engine_with_planner_stops_drafting_a_useless_drafter_probes_and_comes_b
     assert out.stats.num_accepted >= 30  # the probes found the drafter good again
 
 
-def test_planner_for_measures_costs_for_sd_chains_only(byte_tokenizer, tmp_path, monkeypatch):
+def test_planner_for_measures_costs_for_sd_chains_and_trees(byte_tokenizer, tmp_path, monkeypatch):
     from ssd_eagle.config import SpeculativeConfig
     from ssd_eagle.planner import planner_for
 
@@ -208,7 +220,8 @@ def test_planner_for_measures_costs_for_sd_chains_only(byte_tokenizer, tmp_path,
     assert planner.config.choose_k and planner.config.max_k == 5 and sorted(planner.costs.verify) == [1, 2]
     assert not planner_for(engine, SpeculativeConfig(method="ngram", num_speculative_tokens=3)).config.choose_k
     assert planner_for(engine, SpeculativeConfig(method="ngram", adaptive=False)) is None
-    assert planner_for(engine, SpeculativeConfig(method="draft_model", model="d", tree_budget=8)) is None
+    tree = planner_for(engine, SpeculativeConfig(method="draft_model", model="d", tree_budget=8, tree_depth=4))
+    assert tree.config.tree_nodes == 8 and tree.config.max_k == 4 and len(tree.costs.verify[1]) == 9
 
 
 def test_ssd_is_planned_by_sds_rule_on_its_wait_and_drafts_longer_than_sd_when_hits_save_drafting():
@@ -265,8 +278,8 @@ def cycle_target():
 
 
 class Saboteur:
-    """A real drafter whose proposals are replaced by token 0, which the cycle target never emits, while ``bad``:
-    nothing it proposes is accepted at T = 0. Everything else goes to the real drafter."""
+    """A real drafter whose proposals (chains or trees) are replaced by token 0, which the cycle target never emits,
+    while ``bad``: nothing it proposes is accepted at T = 0. Everything else goes to the real drafter."""
 
     def __init__(self, inner):
         self.inner, self.bad = inner, True
@@ -276,16 +289,19 @@ class Saboteur:
 
     def propose(self, seqs, num_tokens):
         out = self.inner.propose(seqs, num_tokens)
-        return [Proposal([0] * len(p.tokens), None, p.cache_hit, p.lookup_k) for p in out] if self.bad else out
+        return [Proposal([0] * len(p.tokens), None, p.cache_hit, p.lookup_k, p.parents) for p in out] if self.bad \
+            else out
 
 
 def real_drafter(kind: str, target, tokenizer):
-    """ngram, draft_model (the target's copy: always right), eagle3 (a random head: almost never right) or ssd
-    (the draft model through the SSD factory, speculator in this process)."""
+    """ngram, draft_model (the target's copy: always right), draft_model_tree (the same, proposing 6-node trees),
+    eagle3 (a random head: almost never right) or ssd (the draft model through the SSD factory, speculator in this
+    process)."""
     import copy
 
     from ssd_eagle.drafters import DraftModelDrafter
     from ssd_eagle.drafters.eagle3 import Eagle3Drafter
+    from ssd_eagle.drafters.tree import TreeSettings
 
     from helpers import eagle3_head_for
 
@@ -299,11 +315,13 @@ def real_drafter(kind: str, target, tokenizer):
         return build(cfg, target, tokenizer=tokenizer, draft=copy.deepcopy(target)).drafter
     return {"ngram": lambda: NgramDrafter(1, 3),
             "draft_model": lambda: DraftModelDrafter(copy.deepcopy(target), target.config.vocab_size, 1, 256),
+            "draft_model_tree": lambda: DraftModelDrafter(copy.deepcopy(target), target.config.vocab_size, 1, 256,
+                                                          tree=TreeSettings(6, CYCLE_K, 2)),
             "eagle3": lambda: Eagle3Drafter(eagle3_head_for(target, draft_vocab=257), num_slots=1, max_len=256),
             }[kind]()
 
 
-@pytest.mark.parametrize("kind", ["ngram", "draft_model", "eagle3", "ssd"])
+@pytest.mark.parametrize("kind", ["ngram", "draft_model", "draft_model_tree", "eagle3", "ssd"])
 def test_with_each_drafter_a_useless_one_ends_in_plain_decoding_and_a_good_one_comes_back(kind, byte_tokenizer):
     """Every drafter kind under the planner: sabotaged (never accepted) it ends in plain decoding with probes;
     left alone, n-gram, the draft model and SSD (right about the cycle) speculate again, the random EAGLE-3 head
@@ -312,9 +330,10 @@ def test_with_each_drafter_a_useless_one_ends_in_plain_decoding_and_a_good_one_c
     target = cycle_target()
     drafter = Saboteur(real_drafter(kind, target, byte_tokenizer))
     engine = LLMEngine(target, byte_tokenizer, drafter, num_speculative_tokens=CYCLE_K, max_num_seqs=1,
-                       max_model_len=256)
+                       max_model_len=256, max_draft_tokens=6 if "tree" in kind else 0)
     engine.planner = Planner(PlannerConfig(max_k=CYCLE_K, choose_k=True, probe_every=4, learn_costs=False,
-                                           probe_overhead=1.0), CHEAP_VERIFY)  # probes as often as the backoff allows
+                                           probe_overhead=1.0, tree_nodes=6 if "tree" in kind else 0),
+                             CHEAP_VERIFY)  # probes as often as the backoff allows
     llm = LLM(engine=engine)
     prompt = list(b"Hey \xc3\xa9")
     params = SamplingParams(temperature=0.0, max_tokens=60)
