@@ -219,6 +219,14 @@ class PlannerConfig:
         probe_k: length of a probe.
         learn_costs: False takes the cost table as it is and drafting as free (no online correction of ``V``, no
             learnt ``D(K)``): for a table made by hand (tests, what-if runs).
+        off_margin: speculation is switched off only where plain decoding's expected rate beats the best draft
+            length's by this share (near a tie the engine keeps speculating, and needs no probes to come back;
+            a small share of the 3% the planner may lose to AR).
+        min_cost_rounds: drafting counts as free until its cost was learnt from this many rounds (faded count;
+            :func:`planner_for` sets 3.5, four rounds, for SSD: the verifier's first waits for a speculator include
+            its warm-up and an empty cache, 34 ms against ~3 ms later for an SSD tree, and one such round switched
+            speculation off for a whole prompt; an SD drafter's rounds after its first cost what they will cost,
+            and four free rounds of a useless draft LM cost ~4% of AR's speed at T = 1).
         tree_nodes: the nodes of a tree round (0: chains). A tree is planned on or off: K is 0 or ``max_k`` (its
             depth), a round on verifies ``tree_nodes + 1`` tokens, a probe is a whole tree, and ``a_i`` is the
             chance that the accepted path reaches depth i given it reached i - 1 (so ``E`` is the tree's tokens per
@@ -233,6 +241,8 @@ class PlannerConfig:
     probe_overhead: float = 0.02
     probe_k: int = 2
     learn_costs: bool = True
+    off_margin: float = 0.01
+    min_cost_rounds: float = 0.0
     tree_nodes: int = 0
 
 
@@ -249,6 +259,8 @@ class Planner:
         self.config = config
         self.costs = costs
         self.draft_cost = OnlineLine()  # seconds of drafting for a round vs its draft length
+        self.drafter_warm = False  # the drafter's first drafting round (one-off warm-up) is not learnt
+        self.probing = False  # the planned round is a probe (its drafting time is not learnt)
         self.verify_scale = 1.0  # measured verify time / table prediction (EMA)
         self.catch_up_cost = 0.0  # seconds a drafter spends catching up on the rounds it skipped (EMA over probes)
         self.acceptance: dict[str, Acceptance] = {}
@@ -259,7 +271,8 @@ class Planner:
 
     def round_time(self, k: int, batch: int) -> float:
         """Predicted seconds of a round drafting ``k`` tokens (a tree: ``k`` levels) for ``batch`` rows."""
-        draft = self.draft_cost.predict(k, default=0.0) if k else 0.0
+        learnt = self.draft_cost.n >= self.config.min_cost_rounds
+        draft = self.draft_cost.predict(k, default=0.0) if k and learnt else 0.0
         width = self.config.tree_nodes + 1 if k and self.config.tree_nodes else k + 1
         return self.verify_scale * self.costs.verify_time(width, batch) + draft
 
@@ -289,6 +302,10 @@ class Planner:
         else:
             candidates = range(cfg.max_k + 1) if cfg.choose_k and not cfg.tree_nodes else (0, cfg.max_k)
             k = max(candidates, key=lambda c: (self.rate(c, request_ids), -c))
+            if k == 0:  # off only where plain decoding clearly wins
+                best = max(candidates[1:], key=lambda c: (self.rate(c, request_ids), -c))
+                if (1.0 + cfg.off_margin) * self.rate(best, request_ids) >= self.rate(0, request_ids):
+                    k = best
         self.decisions[k] = self.decisions.get(k, 0) + 1
         out = {}
         spacing = self.probe_spacing(len(request_ids)) if k == 0 and cfg.adaptive else 1
@@ -311,7 +328,7 @@ class Planner:
         """A restarted drafter (a respawned SSD speculator): forget the drafting cost learnt from the old one, whose
         last rounds waited on a dead or hung process, and probe every request again soon (acceptance is kept: the
         draft model is the same)."""
-        self.draft_cost = OnlineLine()
+        self.draft_cost, self.drafter_warm = OnlineLine(), False
         self.probe_interval.clear()
         self.idle_rounds.clear()
 
@@ -323,7 +340,7 @@ class Planner:
         return max(1, math.ceil(extra / (self.config.probe_overhead * plain) - 1e-9)) if plain > 0 else 1
 
     def observe(self, drafted: dict[str, tuple[int, int]], draft_seconds: float, verify_seconds: float,
-                width: int, catch_up_seconds: float = 0.0) -> None:
+                width: int, catch_up_seconds: float = 0.0, probe: bool = False) -> None:
         """Learn from a verified round.
 
         Args:
@@ -335,6 +352,8 @@ class Planner:
                 skipped (:meth:`NeuralDrafter.catch_up <ssd_eagle.drafters.neural.NeuralDrafter.catch_up>`): paid
                 by a probe or the first round back, not by drafting, so it is learnt apart from ``D(K)`` and
                 counted in the probes' spacing.
+            probe: the round was a probe: its acceptance is learnt, its drafting time is not (an SSD probe is
+                drafted by the backup after idle rounds, and a stale cost of it kept speculation off for good).
         """
         if not drafted:
             return
@@ -348,8 +367,11 @@ class Planner:
         if not self.config.learn_costs:
             return
         longest = max(n for n, _ in drafted.values())
-        if longest:
+        if longest and self.config.tree_nodes:  # a tree grows all its levels whatever depth its best nodes reach
+            longest = self.config.max_k
+        if longest and self.drafter_warm and not probe:
             self.draft_cost.update(longest, draft_seconds)
+        self.drafter_warm |= longest > 0
         predicted = self.costs.verify_time(width, len(drafted))
         if predicted > 0 and math.isfinite(verify_seconds):
             self.verify_scale = 0.9 * self.verify_scale + 0.1 * (verify_seconds / predicted)
@@ -359,6 +381,7 @@ class Planner:
         is recorded in every sequence's ``stats`` and in ``totals`` (the engine's aggregate), as
         :meth:`SpecStats.record_plan <ssd_eagle.stats.SpecStats.record_plan>`."""
         plan = self.decide([s.request_id for s in seqs])
+        self.probing = any(probe for _, probe in plan.values())
         for seq in seqs:
             for stats in (seq.stats, totals) if totals is not None else (seq.stats,):
                 stats.record_plan(*plan[seq.request_id])
@@ -369,7 +392,7 @@ class Planner:
         """The engine's hook after verifying: learn from the round (a tree row as its depth and accepted path)."""
         drafted = {s.request_id: (p.depth, len(path)) for s, p, path in zip(seqs, proposals, paths)}
         width = 1 + max((len(p.tokens) for p in proposals), default=0)
-        self.observe(drafted, draft_seconds, verify_seconds, width, catch_up_seconds)
+        self.observe(drafted, draft_seconds, verify_seconds, width, catch_up_seconds, self.probing)
 
     def forget(self, request_id: str) -> None:
         self.acceptance.pop(request_id, None)
@@ -413,4 +436,5 @@ def planner_for(engine, spec) -> Planner | None:
     k = tree.depth if tree is not None else spec.num_speculative_tokens
     costs = measure_verify_costs(engine.target, spec.max_draft_tokens + 1, engine.max_num_seqs)
     choose_k = "num_speculative_tokens" not in spec.model_fields_set
-    return Planner(PlannerConfig(max_k=k, choose_k=choose_k, tree_nodes=tree.budget if tree else 0), costs)
+    return Planner(PlannerConfig(max_k=k, choose_k=choose_k, tree_nodes=tree.budget if tree else 0,
+                                 min_cost_rounds=3.5 if mode == "ssd" else 0.0), costs)

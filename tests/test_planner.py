@@ -80,6 +80,34 @@ def test_draft_cost_counts():
     assert planner.choose(["r"]) == {"r": 0}
 
 
+def test_speculation_is_switched_off_only_where_plain_decoding_wins_by_the_margin():
+    """Nothing accepted (E = 1 at every K), flat verification: a draft of 0.5% of a round per token loses 0.5% at
+    K = 1 (1 / 1.005), inside the 1% margin, so the planner keeps drafting one token; at 2% a token it decodes
+    plainly."""
+    for per_token, expected in ((0.005, 1), (0.02, 0)):
+        planner = planner_with([1.0] * 6, rate=0.0)
+        for k in range(1, 6):
+            planner.draft_cost.update(k, per_token * k)
+        assert planner.choose(["r"]) == {"r": expected}
+
+
+def test_the_drafters_first_round_and_probes_teach_acceptance_but_not_the_drafting_cost():
+    """A drafter's first round pays one-off warm-up, and an SSD probe is drafted by the backup after idle rounds:
+    neither is what a round of speculation costs (a 47 ms first tree round against ~15 ms later ones switched a
+    tree off for a whole prompt)."""
+    planner = Planner(PlannerConfig(max_k=4, min_cost_rounds=3.5), CostTable({1: [1.0] * 5}))
+    planner.observe({"r": (4, 1)}, 0.047, 1.0, 5)  # warm-up: not learnt
+    assert planner.draft_cost.predict(4) == 0.0
+    planner.observe({"r": (4, 1)}, 0.015, 1.0, 5)
+    planner.observe({"r": (4, 4)}, 0.060, 1.0, 5, probe=True)
+    assert planner.draft_cost.predict(4) == pytest.approx(0.015) and planner.draft_cost.n == 1
+    assert planner.round_time(4, 1) == 1.0  # (drafting counts as free until min_cost_rounds rounds taught it)
+    planner.config.min_cost_rounds = 0.0  # (SD's default: learnt from the first round after the warm-up)
+    assert planner.round_time(4, 1) == pytest.approx(1.015)
+    acceptance = planner.acceptance["r"]
+    assert acceptance.tried[0] == pytest.approx(1 + 0.9 * (1 + 0.9)) and acceptance.accepted[3] == 1
+
+
 def test_a_drafter_that_never_matches_ends_in_plain_decoding_and_a_probe_brings_a_good_one_back():
     planner = Planner(PlannerConfig(max_k=4, probe_every=4, probe_k=2), CostTable({1: [1.0, 1.05, 1.1, 1.15, 1.2]}))
     ks = []
@@ -97,7 +125,8 @@ def test_a_drafter_that_never_matches_ends_in_plain_decoding_and_a_probe_brings_
 
 def test_failed_probes_back_off_and_speculating_resets_the_interval():
     # probes nearly free (spaced by the backoff alone)
-    planner = planner_with([1.0, 1.001, 1.002, 1.003, 1.004], rate=0.0, max_k=4, probe_every=2, max_probe_every=8)
+    planner = planner_with([1.0, 1.001, 1.002, 1.003, 1.004], rate=0.0, max_k=4, probe_every=2, max_probe_every=8,
+                           off_margin=0.0)  # (a useless draft 0.1% dearer than plain decoding: off without margin)
     assert planner.probe_spacing(1) == 1
     probes = [i for i in range(40) if planner.decide(["r"])["r"][1]]
     assert probes == [1, 5, 13, 21, 29, 37]  # after 2, 4, 8, 8 ... idle rounds
@@ -218,6 +247,7 @@ def test_planner_for_measures_costs_for_sd_chains_and_trees(byte_tokenizer, tmp_
                        max_model_len=256)
     planner = planner_for(engine, SpeculativeConfig(method="ngram"))
     assert planner.config.choose_k and planner.config.max_k == 5 and sorted(planner.costs.verify) == [1, 2]
+    assert planner.config.min_cost_rounds == 0.0
     assert not planner_for(engine, SpeculativeConfig(method="ngram", num_speculative_tokens=3)).config.choose_k
     assert planner_for(engine, SpeculativeConfig(method="ngram", adaptive=False)) is None
     tree = planner_for(engine, SpeculativeConfig(method="draft_model", model="d", tree_budget=8, tree_depth=4))
@@ -381,6 +411,7 @@ def test_planner_for_plans_ssd_chains_as_sd_and_not_an_in_line_speculator(byte_t
     engine.drafter = SimpleNamespace(mode="ssd", speculator=object())  # a speculator process's link
     planner = planner_for(engine, spec)
     assert planner is not None and planner.config.choose_k and planner.config.max_k == 5
+    assert planner.config.min_cost_rounds == 3.5  # (an SSD wait is learnt from four rounds: PlannerConfig)
     explicit = SpeculativeConfig(method="draft_model", model="d", num_speculative_tokens=5)
     assert not planner_for(engine, explicit).config.choose_k
     engine.drafter = SimpleNamespace(mode="ssd", speculator=LocalSpeculator.__new__(LocalSpeculator))
