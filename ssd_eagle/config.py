@@ -59,11 +59,11 @@ class SpeculativeConfig(ConfigModel):
                            "target's tokenizer) or eagle3 (an EAGLE-3 head fed the target's aux hidden states)")
     model: str | None = Field(None, description="path or id of the draft (draft_model, eagle3)")
     num_speculative_tokens: int = Field(5, ge=1, description="K, draft tokens per round")
-    adaptive: bool = Field(True, description="SD and SSD chains: a planner measures the target's verify cost per width "
+    adaptive: bool = Field(True, description="SD and SSD: a planner measures the target's verify cost per width "
                            "and the running requests' acceptance, and drafts the K that maximises tokens/s, or nothing "
                            "when drafts do not pay (SSD: its draft time is the verifier's wait for the speculator; an "
-                           "explicit K fixes the length; the planner still decides whether to speculate; an in-line "
-                           "SSD speculator is not planned). false: always draft K")
+                           "explicit K fixes the length; the planner still decides whether to speculate; a tree is "
+                           "planned on or off; an in-line SSD speculator is not planned). false: always draft K")
     # a 1-token match is right too rarely to pay for verifying 5 tokens
     prompt_lookup_min: int = Field(2, ge=1, description="shortest n-gram suffix matched (ngram)")
     prompt_lookup_max: int = Field(4, ge=1, description="longest n-gram suffix matched (ngram)")
