@@ -301,11 +301,10 @@ class Planner:
             k = cfg.max_k
         else:
             candidates = range(cfg.max_k + 1) if cfg.choose_k and not cfg.tree_nodes else (0, cfg.max_k)
-            k = max(candidates, key=lambda c: (self.rate(c, request_ids), -c))
-            if k == 0:  # off only where plain decoding clearly wins
-                best = max(candidates[1:], key=lambda c: (self.rate(c, request_ids), -c))
-                if (1.0 + cfg.off_margin) * self.rate(best, request_ids) >= self.rate(0, request_ids):
-                    k = best
+            rates = {c: self.rate(c, request_ids) for c in candidates}
+            k = max(candidates[1:], key=lambda c: (rates[c], -c))  # off only where plain decoding clearly wins
+            if rates[0] > (1.0 + cfg.off_margin) * rates[k]:
+                k = 0
         self.decisions[k] = self.decisions.get(k, 0) + 1
         out = {}
         spacing = self.probe_spacing(len(request_ids)) if k == 0 and cfg.adaptive else 1
@@ -412,9 +411,10 @@ def planner_for(engine, spec) -> Planner | None:
 
     K in 0..K is the planner's to choose unless ``num_speculative_tokens`` was given explicitly (then only 0 or K),
     for SD and SSD alike; a tree (``tree_budget``) is planned on or off (:class:`PlannerConfig`), so that a tree
-    whose drafts do not pay falls back to plain decoding too. For SSD the round's ``draft_seconds`` is the verifier's wait for the speculator: about
-    nothing on a cache hit and a backup drafting k tokens on a miss, so the learnt line ``d0 + d1 k`` is the mean
-    wait ``(1 - p) D_backup(k)`` at the measured hit rate p, and the planner picks the k that maximises
+    whose drafts do not pay falls back to plain decoding too. For SSD the round's ``draft_seconds`` is the
+    verifier's wait for the speculator: about nothing on a cache hit and a backup drafting k tokens on a miss, so
+    the learnt line ``d0 + d1 k`` is the mean wait ``(1 - p) D_backup(k)`` at the measured hit rate p, and the
+    planner picks the k that maximises
     ``E(k) / (V(k + 1) + wait(k))``, which is SD's rule with SD's draft time replaced by SSD's wait: wherever a
     hit saves drafting, SSD's plan is at least SD's. The speculator still builds K-chains (its fan-out and time
     budget are sized for K); a reply is cut to the planned k (a prefix of a cached chain is still a proposal).

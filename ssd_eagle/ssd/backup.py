@@ -140,10 +140,10 @@ class BackupChoice:
             self._faded("seconds", backup, seconds, self.time_memory)
 
     def shrunk(self, kind: str, key: str) -> float | None:
-        """``self.<kind>[key]`` (``tokens``, ``hit_tokens`` or ``next_hit``) with ``prior_weight`` pseudo-observations of the mean of
-        all sources (weighted by their observation counts) folded in: a backup with 2 observations of 6 tokens
-        against a pooled 1.5 counts (2 * 6 + 4 * 1.5) / 6 = 3, not 6. Values set by hand (no observations) are
-        returned as they are."""
+        """``self.<kind>[key]`` (``tokens``, ``hit_tokens`` or ``next_hit``) with ``prior_weight`` pseudo-observations
+        of the mean of all sources (weighted by their observation counts) folded in: a backup with 2 observations of
+        6 tokens against a pooled 1.5 counts (2 * 6 + 4 * 1.5) / 6 = 3, not 6. Values set by hand (no observations)
+        are returned as they are."""
         estimates = getattr(self, kind)
         weights = {s: self._weights.get(f"{kind}:{s}", 0.0) for s, v in estimates.items() if v is not None}
         total, own = sum(weights.values()), estimates[key]

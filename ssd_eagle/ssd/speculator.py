@@ -231,8 +231,9 @@ class Speculator:
         elif proposal is not None and seq.fed and req.rounds == 1:
             # the accepted path is cached where it lies only for a chain (trees are fed again)
             seq.num_cached = seq.path_base + (len(path) if proposal.parents is None else 0)
-        if proposal is None or seq.source is None or req.rounds > 1:
-            seq.source = None if req.rounds > 1 else seq.source  # (rounds in between: no predecessor to name)
+        if req.rounds > 1:  # (rounds in between: the next proposal has no predecessor to name)
+            seq.source = None
+        if proposal is None or seq.source is None:
             return None
         self.choice.observe_tokens(seq.source, len(path) + 1, after=seq.after)
         cands = seq.candidates.get(path)
