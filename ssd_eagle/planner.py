@@ -10,7 +10,8 @@ tokens per row, where ``a_i`` is the probability that draft position i is accept
 (measured on the running request). The planner picks the K that maximises the batch's expected tokens per second
 ``sum_rows E_row(K) / T(K)``; K = 0 (plain decoding) competes on the same footing, so a drafter that does not pay
 is switched off. While off, a request *probes* (a short draft now and then, less often while probes fail) so that
-speculation comes back when drafts start to pay. SSD engines are planned the same way, their ``D(K)`` being the
+speculation comes back when drafts start to pay; while it drafts fewer than K tokens, a round now and then drafts K
+(*explores*) so that the positions it no longer drafts are measured again. SSD engines are planned the same way, their ``D(K)`` being the
 verifier's wait for the speculator (see :func:`planner_for`). A tree is planned on or off: its round verifies all
 its nodes, and ``a_i`` is the chance that its accepted path reaches depth i (:class:`PlannerConfig`).
 
@@ -51,6 +52,12 @@ class CostTable:
     verify: dict[int, list[float]]
     key: str = ""
 
+    def __post_init__(self):
+        # a forward over more new tokens never costs less: a V(n) above a later V(m) was slowed by something else
+        # (a table measured on a shared 2-core Xeon read V(4) = 60.5 ms between V(3) = 48.2 and V(5) = 47.9, and
+        # the planner avoided K = 3 for good), so each entry is the least of itself and every later one
+        self.verify = {b: [min(row[n:]) for n in range(len(row))] for b, row in self.verify.items()}
+
     def verify_time(self, n: int, batch: int = 1) -> float:
         """Seconds of a forward over ``n >= 1`` new tokens for ``batch`` rows."""
         buckets = sorted(self.verify)
@@ -85,7 +92,8 @@ def cost_key(model, max_new: int, buckets: tuple[int, ...]) -> str:
 def measure_verify_costs(runner, max_new: int, max_batch: int = 1, context: int = 128, repeats: int = 3,
                          cache: bool = True) -> CostTable:
     """Time the target's forward over n = 1..``max_new`` new tokens after a ``context``-token prefix, for every
-    batch bucket up to ``max_batch`` (median of ``repeats``, after one warm-up).
+    batch bucket up to ``max_batch`` (the least of ``repeats``, after one warm-up: interference from other work
+    only adds time).
 
     Args:
         runner: a :class:`~ssd_eagle.model_runner.ModelRunner` with at least ``max_batch`` free slots (their cache
@@ -118,7 +126,7 @@ def measure_verify_costs(runner, max_new: int, max_batch: int = 1, context: int 
                 start = time.perf_counter()
                 runner.forward(batch)
                 times.append(time.perf_counter() - start)
-            row.append(sorted(times[1:])[len(times[1:]) // 2])
+            row.append(min(times[1:]))
         verify[b] = row
     table = CostTable(verify, key)
     if cache:
@@ -227,6 +235,13 @@ class PlannerConfig:
             its warm-up and an empty cache, 34 ms against ~3 ms later for an SSD tree, and one such round switched
             speculation off for a whole prompt; an SD drafter's rounds after its first cost what they will cost,
             and four free rounds of a useless draft LM cost ~4% of AR's speed at T = 1).
+        explore_every: while the plan drafts a middle length (0 < K < ``max_k``), one round in this many drafts
+            ``max_k`` instead, so that the positions past K and the longer draft's cost are measured again (an
+            estimate made from a handful of early rounds is otherwise never revisited: an SSD planner that saw
+            position 2 accepted in 0 of its first 3 tries kept K = 1 for a whole prompt, 1.09x AR against 1.26x for
+            a fixed K = 5); the interval doubles, up to ``max_explore_every``, while the plan stays the same.
+            0: never.
+        max_explore_every: the longest interval between two exploring rounds.
         tree_nodes: the nodes of a tree round (0: chains). A tree is planned on or off: K is 0 or ``max_k`` (its
             depth), a round on verifies ``tree_nodes + 1`` tokens, a probe is a whole tree, and ``a_i`` is the
             chance that the accepted path reaches depth i given it reached i - 1 (so ``E`` is the tree's tokens per
@@ -243,6 +258,8 @@ class PlannerConfig:
     learn_costs: bool = True
     off_margin: float = 0.01
     min_cost_rounds: float = 0.0
+    explore_every: int = 8
+    max_explore_every: int = 64
     tree_nodes: int = 0
 
 
@@ -268,6 +285,10 @@ class Planner:
         self.idle_rounds: dict[str, int] = {}
         self.probe_interval: dict[str, int] = {}
         self.decisions: dict[int, int] = {}
+        self.explored = 0  # exploring rounds run (:meth:`explore`)
+        self._plain_k = 0  # the last planned K before exploration
+        self._since_explore = 0
+        self._explore_interval = config.explore_every
 
     def round_time(self, k: int, batch: int) -> float:
         """Predicted seconds of a round drafting ``k`` tokens (a tree: ``k`` levels) for ``batch`` rows."""
@@ -305,6 +326,7 @@ class Planner:
             k = max(candidates[1:], key=lambda c: (rates[c], -c))  # off only where plain decoding clearly wins
             if rates[0] > (1.0 + cfg.off_margin) * rates[k]:
                 k = 0
+            k = self.explore(k)
         self.decisions[k] = self.decisions.get(k, 0) + 1
         out = {}
         spacing = self.probe_spacing(len(request_ids)) if k == 0 and cfg.adaptive else 1
@@ -322,6 +344,21 @@ class Planner:
                 self.probe_interval.pop(r, None)
                 out[r] = (k, False)
         return out
+
+    def explore(self, k: int) -> int:
+        """The planned ``k``, or ``max_k`` on an exploring round (:class:`PlannerConfig` ``explore_every``)."""
+        cfg = self.config
+        if k != self._plain_k:  # a new plan: explore soon again
+            self._plain_k, self._since_explore, self._explore_interval = k, 0, cfg.explore_every
+        if not cfg.explore_every or not 0 < k < cfg.max_k:
+            return k
+        self._since_explore += 1
+        if self._since_explore < self._explore_interval:
+            return k
+        self._since_explore = 0
+        self._explore_interval = min(2 * self._explore_interval, max(cfg.max_explore_every, cfg.explore_every))
+        self.explored += 1
+        return cfg.max_k
 
     def new_drafter(self) -> None:
         """A restarted drafter (a respawned SSD speculator): forget the drafting cost learnt from the old one, whose
@@ -399,8 +436,9 @@ class Planner:
         self.probe_interval.pop(request_id, None)
 
     def summary(self) -> dict:
-        """JSON-ready planner state: rounds per chosen K and the engine-wide acceptance per position."""
-        return {"k_decisions": dict(sorted(self.decisions.items())),
+        """JSON-ready planner state: rounds per chosen K (exploring rounds included), the exploring rounds and the
+        engine-wide acceptance per position."""
+        return {"k_decisions": dict(sorted(self.decisions.items())), "explored": self.explored,
                 "acceptance_per_position": [round(a, 4) for a in self.engine_wide.rates(self.config.max_k)]}
 
 

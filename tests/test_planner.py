@@ -139,6 +139,27 @@ def test_failed_probes_back_off_and_speculating_resets_the_interval():
     assert "r" not in planner.probe_interval and "r" not in planner.idle_rounds
 
 
+def test_a_middle_plan_explores_the_longest_draft_less_often_while_the_plan_holds():
+    """K = 2 planned (test_middle_k's table): rounds 8, 24 and 56 draft max_k (intervals 8, 16, 32), and what they
+    measure can change the plan: positions past 2 accepted every time make K = 5 the plan, which explores nothing."""
+    planner = planner_with([1.0, 1.25, 1.5, 1.75, 2.0, 2.25], rate=0.6)
+    ks = [planner.choose(["r"])["r"] for _ in range(60)]
+    assert [i for i, k in enumerate(ks) if k == 5] == [7, 23, 55] and set(ks) == {2, 5}
+    assert planner.explored == 3 and planner.summary()["explored"] == 3
+    never = planner_with([1.0, 1.25, 1.5, 1.75, 2.0, 2.25], rate=0.6, explore_every=0)
+    assert {never.choose(["r"])["r"] for _ in range(60)} == {2}
+    # the trace's case: position 2 rejected in the first 3 rounds, so K = 1; every later draft would be accepted
+    learns = Planner(PlannerConfig(max_k=5), CostTable({1: [1.0, 1.0, 1.1, 1.2, 1.3, 1.4]}))
+    for _ in range(3):
+        learns.observe({"r": (5, 1)}, 0.0, 1.0, 6)
+    ks = []
+    for _ in range(40):
+        k = learns.choose(["r"])["r"]
+        ks.append(k)
+        learns.observe({"r": (k, k)}, 0.0, 1.0, k + 1)
+    assert ks[:7] == [1] * 7 and ks[7] == 5 and ks[-5:] == [5] * 5  # one exploring round brought K = 5 back
+
+
 def test_probes_are_spaced_to_cost_at_most_probe_overhead():
     # a 2-token probe verifies 3 tokens: 0.6 s more than a plain round of 1 s; at 2% that is one probe in 30 rounds
     planner = planner_with([1.0, 1.3, 1.6, 1.9, 2.2], rate=0.0, max_k=4, probe_every=4)
@@ -171,6 +192,15 @@ def test_cost_table_buckets_extrapolation_and_json():
     assert table.verify_time(2, 3) == 3.0  # bucket 4
     assert table.verify_time(1, 8) == pytest.approx(4.0)  # beyond the largest bucket: linear in B
     assert CostTable.from_json(table.to_json()) == table
+
+
+def test_a_cost_table_never_lets_a_longer_forward_cost_less():
+    """Interference only adds time: V(4) = 60.5 ms between 48.2 and 47.9 (measured on a shared Xeon) is a slowed
+    measurement, and each entry becomes the least of itself and the later ones (also for a table read back)."""
+    measured = [0.0448, 0.0486, 0.0482, 0.0605, 0.0479, 0.0490]
+    table = CostTable({1: measured})
+    assert table.verify[1] == pytest.approx([0.0448, 0.0479, 0.0479, 0.0479, 0.0479, 0.0490])
+    assert CostTable.from_json(CostTable({1: measured}).to_json()).verify == table.verify
 
 
 def test_measure_verify_costs_on_a_tiny_model_is_cached(tmp_path, monkeypatch):
