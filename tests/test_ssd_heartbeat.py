@@ -17,6 +17,7 @@ from ssd_eagle.config import EngineConfig, SpeculativeConfig
 from ssd_eagle.engine.factory import build
 from ssd_eagle.ssd import transport as t
 from ssd_eagle.ssd.client import RemoteSpeculator
+from ssd_eagle.ssd.worker import SpeculatorSettings
 
 HEARTBEAT_TIMEOUT = 1.5
 
@@ -76,3 +77,15 @@ def test_the_heartbeat_limit_must_exceed_the_beat_interval():
         RemoteSpeculator(None, None, heartbeat_timeout=0.5)
     with pytest.raises(ValueError, match="speculator_heartbeat_timeout"):
         SpeculativeConfig(speculator_heartbeat_timeout=0.2)
+
+
+def test_a_speculator_that_dies_while_starting_fails_the_start_at_once():
+    """A speculator process that exits before joining (here: a draft kind it cannot build) fails the start as soon
+    as it exits, not after the join's timeout (a spawned speculator that died at start kept the verifier waiting the
+    full 300 s, then failed with a store timeout)."""
+    settings = SpeculatorSettings("no-such-kind", 3, [2, 2, 2, 2], None, "neural", 8, 1.0, (1, 4), 2, 256,
+                                  vocab_size=257)
+    start = time.monotonic()
+    with pytest.raises(t.SpeculatorUnavailable, match="exited with code 1 while starting"):
+        RemoteSpeculator(settings, make_tiny_llama(seed=3), startup_timeout=240.0)
+    assert time.monotonic() - start < 60.0

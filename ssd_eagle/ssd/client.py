@@ -145,6 +145,10 @@ class RemoteSpeculator(SpeculatorLink):
         startup_timeout: seconds the speculator has to join.
         verifier_device: this process's device (the channel's buffers live there with NCCL).
         heartbeat_timeout: seconds without a heartbeat after which the speculator is declared hung and killed.
+
+    Raises:
+        SpeculatorUnavailable: the process exited while starting (as soon as it does,
+            :func:`~ssd_eagle.ssd.transport.wait_for_peer`) or did not join within ``startup_timeout``.
     """
 
     def __init__(self, settings: SpeculatorSettings, draft, timeout: float = 60.0, cpus: list[int] | None = None,
@@ -163,6 +167,7 @@ class RemoteSpeculator(SpeculatorLink):
                                        daemon=True)
         self.process.start()
         try:
+            t.wait_for_peer(self.store, self.process, startup_timeout)
             group = t.pair_group(self.store, t.VERIFIER, settings.dist_backend, startup_timeout)
             device = "cpu" if settings.dist_backend == "gloo" else verifier_device
             spin = t.SPIN_SECONDS if cpus and settings.cpus else 0.0  # pinned apart: a reply is waited for spinning

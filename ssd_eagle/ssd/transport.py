@@ -79,6 +79,37 @@ def open_store(port: int = 0, timeout: float = 300.0, host: str = "127.0.0.1") -
                          wait_for_workers=False)
 
 
+JOINING_KEY = "ssd-speculator-joining"  # set in the pair's store by a speculator about to join (wait_for_peer)
+
+
+def announce_join(store: dist.Store) -> None:
+    """The speculator's word, in the pair's store, that it is ready and about to join (:func:`wait_for_peer`)."""
+    store.set(JOINING_KEY, "1")
+
+
+def wait_for_peer(store: dist.Store, process, timeout: float, interval: float = 0.05) -> None:
+    """Wait until the spawned speculator ``process`` announced its join (:func:`announce_join`), watching it meanwhile:
+    a speculator that dies while starting (a draft that does not build, a script without a ``__main__`` guard under
+    spawn) fails the start at once, instead of after the join's ``timeout`` (300 s by default).
+
+    Args:
+        process: a ``multiprocessing.Process`` (its ``exitcode`` is read every ``interval`` s).
+        timeout: seconds the speculator has to announce itself.
+
+    Raises:
+        SpeculatorUnavailable: the process exited first (its exit code; its own traceback is in this process's
+            stderr), or ``timeout`` passed.
+    """
+    deadline = time.monotonic() + timeout
+    while not store.check([JOINING_KEY]):
+        if process.exitcode is not None:
+            raise SpeculatorUnavailable(f"the speculator process exited with code {process.exitcode} while starting, "
+                                        "before it joined the link (its traceback is above)")
+        if time.monotonic() > deadline:
+            raise SpeculatorUnavailable(f"the speculator process did not join the link within {timeout:g} s")
+        time.sleep(interval)
+
+
 def pair_group(store: dist.Store, rank: int, backend: str = "gloo", timeout: float = 300.0,
                op_timeout: float | None = None):
     """The two-rank process group of the pair (``rank`` 0: the verifier, 1: the speculator); blocks until both

@@ -166,6 +166,7 @@ def join_link(settings: SpeculatorSettings, device: torch.device, startup_timeou
         SpeculatorUnavailable: the verifier closed the link as it was being opened.
     """
     store = t.open_store(settings.store_port, startup_timeout)
+    t.announce_join(store)
     group = t.pair_group(store, t.SPECULATOR, settings.dist_backend, startup_timeout, op_timeout=t.IDLE_TIMEOUT_S)
     channel = t.Channel(group, t.VERIFIER, settings.float_dtype, "cpu" if settings.dist_backend == "gloo" else device,
                         spin=t.SPIN_SECONDS if settings.cpus else 0.0)  # (pinned: this core is the speculator's)
