@@ -223,7 +223,8 @@ class PlannerConfig:
         probe_overhead: probes are spaced so that they cost at most this fraction of plain decoding's time: at
             least ``(T(probe_k) - T(0)) / (probe_overhead * T(0))`` rounds apart, from the measured costs (in
             float32 on a 2-core EPYC a useless draft LM's probe cost ~1.4 plain rounds: ~0.7 its drafting, catch-up
-            forward included, ~0.7 the wider verification).
+            forward included, ~0.7 the wider verification); exploring rounds (``explore_every``) likewise, against
+            the planned K's rounds.
         probe_k: length of a probe.
         learn_costs: False takes the cost table as it is and drafting as free (no online correction of ``V``, no
             learnt ``D(K)``): for a table made by hand (tests, what-if runs).
@@ -239,8 +240,8 @@ class PlannerConfig:
             ``max_k`` instead, so that the positions past K and the longer draft's cost are measured again (an
             estimate made from a handful of early rounds is otherwise never revisited: an SSD planner that saw
             position 2 accepted in 0 of its first 3 tries kept K = 1 for a whole prompt, 1.09x AR against 1.26x for
-            a fixed K = 5); the interval doubles, up to ``max_explore_every``, while the plan stays the same.
-            0: never.
+            a fixed K = 5); the interval doubles, up to ``max_explore_every``, while the plan stays the same, and
+            is at least what keeps the exploring rounds' extra time within ``probe_overhead``. 0: never.
         max_explore_every: the longest interval between two exploring rounds.
         tree_nodes: the nodes of a tree round (0: chains). A tree is planned on or off: K is 0 or ``max_k`` (its
             depth), a round on verifies ``tree_nodes + 1`` tokens, a probe is a whole tree, and ``a_i`` is the
@@ -326,7 +327,7 @@ class Planner:
             k = max(candidates[1:], key=lambda c: (rates[c], -c))  # off only where plain decoding clearly wins
             if rates[0] > (1.0 + cfg.off_margin) * rates[k]:
                 k = 0
-            k = self.explore(k)
+            k = self.explore(k, len(request_ids))
         self.decisions[k] = self.decisions.get(k, 0) + 1
         out = {}
         spacing = self.probe_spacing(len(request_ids)) if k == 0 and cfg.adaptive else 1
@@ -345,15 +346,19 @@ class Planner:
                 out[r] = (k, False)
         return out
 
-    def explore(self, k: int) -> int:
-        """The planned ``k``, or ``max_k`` on an exploring round (:class:`PlannerConfig` ``explore_every``)."""
+    def explore(self, k: int, batch: int = 1) -> int:
+        """The planned ``k``, or ``max_k`` on an exploring round (:class:`PlannerConfig` ``explore_every``), spaced
+        like probes so that their extra time is at most ``probe_overhead`` of the plan's."""
         cfg = self.config
         if k != self._plain_k:  # a new plan: explore soon again
             self._plain_k, self._since_explore, self._explore_interval = k, 0, cfg.explore_every
         if not cfg.explore_every or not 0 < k < cfg.max_k:
             return k
         self._since_explore += 1
-        if self._since_explore < self._explore_interval:
+        planned = self.round_time(k, batch)
+        extra = self.round_time(cfg.max_k, batch) - planned
+        spacing = math.ceil(extra / (cfg.probe_overhead * planned) - 1e-9) if planned > 0 else 1
+        if self._since_explore < max(self._explore_interval, spacing):
             return k
         self._since_explore = 0
         self._explore_interval = min(2 * self._explore_interval, max(cfg.max_explore_every, cfg.explore_every))

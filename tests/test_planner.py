@@ -140,12 +140,17 @@ def test_failed_probes_back_off_and_speculating_resets_the_interval():
 
 
 def test_a_middle_plan_explores_the_longest_draft_less_often_while_the_plan_holds():
-    """K = 2 planned (test_middle_k's table): rounds 8, 24 and 56 draft max_k (intervals 8, 16, 32), and what they
-    measure can change the plan: positions past 2 accepted every time make K = 5 the plan, which explores nothing."""
-    planner = planner_with([1.0, 1.25, 1.5, 1.75, 2.0, 2.25], rate=0.6)
+    """K = 2 planned (test_middle_k's table): rounds 8, 24 and 56 draft max_k (intervals 8, 16, 32) when exploring
+    is nearly free; at 2% of the plan's time an exploring round (0.75 s more than a 1.5 s round) comes every 25
+    rounds at the most; and what they measure can change the plan: positions past 2 accepted every time make K = 5
+    the plan, which explores nothing."""
+    planner = planner_with([1.0, 1.25, 1.5, 1.75, 2.0, 2.25], rate=0.6, probe_overhead=1.0)
     ks = [planner.choose(["r"])["r"] for _ in range(60)]
     assert [i for i, k in enumerate(ks) if k == 5] == [7, 23, 55] and set(ks) == {2, 5}
     assert planner.explored == 3 and planner.summary()["explored"] == 3
+    spaced = planner_with([1.0, 1.25, 1.5, 1.75, 2.0, 2.25], rate=0.6)  # probe_overhead 0.02
+    ks = [spaced.choose(["r"])["r"] for _ in range(60)]
+    assert [i for i, k in enumerate(ks) if k == 5] == [24, 49]
     never = planner_with([1.0, 1.25, 1.5, 1.75, 2.0, 2.25], rate=0.6, explore_every=0)
     assert {never.choose(["r"])["r"] for _ in range(60)} == {2}
     # the trace's case: position 2 rejected in the first 3 rounds, so K = 1; every later draft would be accepted
@@ -157,7 +162,8 @@ def test_a_middle_plan_explores_the_longest_draft_less_often_while_the_plan_hold
         k = learns.choose(["r"])["r"]
         ks.append(k)
         learns.observe({"r": (k, k)}, 0.0, 1.0, k + 1)
-    assert ks[:7] == [1] * 7 and ks[7] == 5 and ks[-5:] == [5] * 5  # one exploring round brought K = 5 back
+    # one exploring round (after 20 rounds: 0.4 s more than a 1 s round, at 2%) brought K = 5 back
+    assert ks[:19] == [1] * 19 and ks[19] == 5 and ks[-5:] == [5] * 5
 
 
 def test_probes_are_spaced_to_cost_at_most_probe_overhead():
