@@ -355,10 +355,11 @@ class Planner:
         if not cfg.explore_every or not 0 < k < cfg.max_k:
             return k
         self._since_explore += 1
+        if self._since_explore < self._explore_interval:
+            return k
         planned = self.round_time(k, batch)
         extra = self.round_time(cfg.max_k, batch) - planned
-        spacing = math.ceil(extra / (cfg.probe_overhead * planned) - 1e-9) if planned > 0 else 1
-        if self._since_explore < max(self._explore_interval, spacing):
+        if planned > 0 and self._since_explore < extra / (cfg.probe_overhead * planned) - 1e-9:
             return k
         self._since_explore = 0
         self._explore_interval = min(2 * self._explore_interval, max(cfg.max_explore_every, cfg.explore_every))
