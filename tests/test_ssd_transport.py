@@ -82,8 +82,10 @@ def test_a_spin_gives_way_when_its_core_runs_another_process(monkeypatch):
 
 
 def _join_then_die(port: int) -> None:
-    t.pair_group(t.open_store(port, timeout=30), t.SPECULATOR, timeout=30)
-    os._exit(0)
+    store = t.open_store(port, timeout=30)
+    group = t.pair_group(store, t.SPECULATOR, timeout=30)  # (kept: a dropped group closes the link at once)
+    store.wait(["channel-built"])  # dying before the verifier's channel posted its receive broke its constructor
+    os._exit(0 if group is not None else 1)
 
 
 def test_a_dead_peer_still_fails_a_spinning_receive():
@@ -91,6 +93,7 @@ def test_a_dead_peer_still_fails_a_spinning_receive():
     peer = mp.get_context("spawn").Process(target=_join_then_die, args=(store.port,))
     peer.start()
     channel = t.Channel(t.pair_group(store, t.VERIFIER, timeout=30), t.SPECULATOR, spin=0.2)
+    store.set("channel-built", "1")
     peer.join(timeout=30)
     start = time.perf_counter()
     with pytest.raises(t.SpeculatorUnavailable):
