@@ -102,7 +102,8 @@ def test_a_speculator_process_killed_or_stopped_mid_request_then_speculating_aga
 
     target = make_tiny_llama(seed=3)
     spec = SpeculativeConfig(method="draft_model", model="in-memory", num_speculative_tokens=4, fanout=[2],
-                             speculator="process", speculator_timeout=20.0)
+                             speculator="process", speculator_timeout=20.0,
+                             adaptive=False)  # (unplanned: the later request must be drafted, whatever the load)
     engine = build(EngineConfig(model="in-memory", mode="ssd", max_num_seqs=2, max_model_len=512,
                                 speculative_config=spec), target, tokenizer=byte_tokenizer,
                    draft=noisy_copy(target, 0.02))

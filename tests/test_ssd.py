@@ -117,7 +117,9 @@ class SlowTarget:
 
 def test_speculator_process_overlaps_verification_and_is_lossless(byte_tokenizer):
     target = make_tiny_llama(seed=3)
-    engine = ssd_engine(target, noisy_copy(target, 0.02), byte_tokenizer, speculator="process")
+    # unplanned: the planner's cost table is timed at build, before the 50 ms sleep; on a loaded machine it turned
+    # every round of this tiny model off (0 lookups, a CI failure)
+    engine = ssd_engine(target, noisy_copy(target, 0.02), byte_tokenizer, speculator="process", adaptive=False)
     try:
         slow = SlowTarget(engine.target, delay=0.05)
         engine.target.forward = slow
