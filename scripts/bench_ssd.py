@@ -274,9 +274,11 @@ def main() -> None:
     # repeats interleaved (every configuration once per pass): the ratios of one pass share the machine's state
     results: dict[tuple[str, float], list[dict]] = {}
     ranks: dict[str, list[int]] = {}
+    backups: dict[str, dict] = {}
     for _ in range(args.repeats):
         for name in names:
-            for temp, run in run_config(all_configs[name], args, model, tokenizer, prompts, temps, ranks).items():
+            for temp, run in run_config(all_configs[name], args, model, tokenizer, prompts, temps, ranks,
+                                         backups).items():
                 results.setdefault((name, temp), []).append(run)
                 print(json.dumps({"config": name, "temperature": temp,
                                   **{k: v for k, v in run.items() if k not in ("outputs", "top2")}}), flush=True)
@@ -286,12 +288,14 @@ def main() -> None:
         rows.append({"config": name, "temperature": temp, **ordered[len(ordered) // 2], "tps_min": ordered[0]["tps"],
                      "tps_max": ordered[-1]["tps"], "tps_runs": [r["tps"] for r in runs]})
     near_ties(rows)
-    report(rows, ranks, out_dir, args, describe_line("cpu", dtype))
+    report(rows, ranks, backups, out_dir, args, describe_line("cpu", dtype))
 
 
-def run_config(cfg: Config, args, model, tokenizer, prompts, temps: list[float], ranks: dict) -> dict[float, dict]:
+def run_config(cfg: Config, args, model, tokenizer, prompts, temps: list[float], ranks: dict,
+               backups: dict) -> dict[float, dict]:
     """One run of configuration ``cfg`` at every temperature (its drafter built for it and closed after); an SSD
-    configuration's bonus-token ranks are added to ``ranks[cfg.name]``."""
+    configuration's bonus-token ranks are added to ``ranks[cfg.name]`` and its speculator's backup measurements
+    (``SpeculatorStats.backup``) set ``backups[cfg.name]``."""
     pin(2 if cfg.mode == "ssd" or cfg.cores == 2 else 1, args.allowed_cores, args.first_core)
     spec = SpeculativeConfig.from_dict(cfg.spec) if cfg.spec else None
     drafter = assistant = None
@@ -319,7 +323,9 @@ def run_config(cfg: Config, args, model, tokenizer, prompts, temps: list[float],
         out[temp] = run_engine(engine, prompts, params, record_top2=cfg.mode == "ar" and temp == 0)
     if cfg.mode == "ssd":
         try:  # (a speculator that failed mid-run was replaced by ordinary decoding: its rows show that)
-            ranks.setdefault(cfg.name, []).extend(drafter.speculator.stats()[0].bonus_ranks)
+            stats = drafter.speculator.stats()[0]
+            ranks.setdefault(cfg.name, []).extend(stats.bonus_ranks)
+            backups[cfg.name] = stats.backup
         except SpeculatorUnavailable as err:
             print(f"{cfg.name}: the speculator failed ({err}); the engine went on decoding without it")
         drafter.close()
@@ -364,7 +370,7 @@ def _drafter(name: str) -> str:
     return "eagle3" if "eagle3" in name else "lm" if "_lm" in name else name.split("_", 1)[-1]
 
 
-def report(rows, ranks, out_dir: Path, args, platform_line: str) -> None:
+def report(rows, ranks, backups, out_dir: Path, args, platform_line: str) -> None:
     with open(out_dir / "results.csv", "w", newline="") as f:
         fields = list(dict.fromkeys(k for r in rows for k in r if k not in ("outputs", "top2")))
         writer = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
@@ -401,6 +407,10 @@ def report(rows, ranks, out_dir: Path, args, platform_line: str) -> None:
     for r in rows:
         if r.get("gaps"):
             print(f"  {r['config']}: first-divergence AR top-2 gaps (gap vs bound): {r['gaps']}")
+    for name, b in backups.items():  # what wMiss is made of: the backup's own time, the rest is link and build
+        if b is not None:
+            print(f"  {name}: the speculator's own measure (last pass, all T): ms per backup call {b['ms']}, miss "
+                  f"rounds per backup under auto {b['chosen']}, verify ms after each source {b['verify_ms']}")
     planner_check(rows, by)
     plot_hit_rate(ranks, out_dir)
 

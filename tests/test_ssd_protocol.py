@@ -4,6 +4,7 @@ several at once in one process)."""
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 
@@ -14,6 +15,7 @@ from ssd_eagle.drafters.base import Proposal
 from ssd_eagle.sampling_params import SamplingParams
 from ssd_eagle.ssd import protocol as p
 from ssd_eagle.ssd import transport as t
+from ssd_eagle.ssd.backup import BackupChoice
 from ssd_eagle.ssd.speculator import SpecRequest, SpeculatorStats
 
 V = 7
@@ -91,8 +93,21 @@ def test_remove_and_stats_round_trip():
                             backup_forwards=5, interrupted=2, fanout_power=0.4375)
     intervals = [1.7e9 + 0.001, 1.7e9 + 0.0025]
     got, got_intervals = p.decode_stats(p.encode_stats(stats, intervals))
-    assert got == stats
+    assert got == stats and got.backup is None  # (no choice sent)
     assert got_intervals == pytest.approx(intervals, abs=1e-6)
+    choice = BackupChoice()  # measured in part: None stays None
+    choice.observe_tokens("hit", 4)
+    choice.observe_tokens("neural", 2)
+    choice.observe_tokens("hit", 3, after="neural")
+    choice.observe_next_hit("neural", True)
+    choice.observe_verify({"hit", "fast"}, 0.0456789)
+    for seconds in (0.5, 0.0187654):  # (the first call of a backup is warm-up)
+        choice.observe_backup("neural", seconds)
+    choice.chosen.update(neural=7, fast=3)
+    got, got_intervals = p.decode_stats(p.encode_stats(stats, intervals, choice))
+    assert got.backup == choice.summary() and got.backup["ms"] == {"neural": 18.765, "fast": None}
+    assert got.backup["tokens"]["neural"] == 2.0 and got.backup["tokens"]["fast"] is None and got.backup["chosen"]["neural"] == 7
+    assert dataclasses.replace(got, backup=None) == stats and got_intervals == pytest.approx(intervals, abs=1e-6)
 
 
 def _pair(float_dtype=torch.float32, frame_words: int = 1 << 18):

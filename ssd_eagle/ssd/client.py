@@ -13,6 +13,7 @@ error, the drafter turns unhealthy and proposes nothing from then on: every requ
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import threading
@@ -58,7 +59,9 @@ class LocalSpeculator:
         self.speculator.remove(slot)
 
     def stats(self):
-        return self.speculator.stats, []
+        """A copy of the speculator's :class:`~ssd_eagle.ssd.lookup.SpeculatorStats` (with its backup choice's
+        summary) and no build intervals."""
+        return dataclasses.replace(self.speculator.stats, backup=self.speculator.choice.summary()), []
 
     def close(self) -> None:
         pass

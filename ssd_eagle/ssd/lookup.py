@@ -58,6 +58,10 @@ class SpeculatorStats:
         interrupted: builds stopped early by the verifier's next outcome (or a deadline); their unfinished branches
             were dropped.
         fanout_power: r fitted online (``fanout_power: "auto"``), None before the first fit or when r is fixed.
+        backup: the backup choice's measurements (:meth:`BackupChoice.summary
+            <ssd_eagle.ssd.backup.BackupChoice.summary>`: tokens per round, next-hit shares and verification ms per
+            proposal source, ms per backup call, miss rounds per backup), filled where the statistics are read
+            (``stats()`` of the speculator clients); None in the speculator's own running copy.
     """
 
     lookups: int = 0
@@ -68,3 +72,4 @@ class SpeculatorStats:
     backup_forwards: int = 0  # draft forwards run while the verifier waited (misses)
     interrupted: int = 0
     fanout_power: float | None = None
+    backup: dict | None = None

@@ -13,9 +13,11 @@ n_floats]`` and then the payloads as plain tensors (no pickling on the hot path)
               floats [q[m, support] of every row with has_q]  (support: the columns where some q of the reply is
               nonzero, ascending; every other entry of every q is exactly 0)
     REMOVE    ints   [slot]
-    STATS     request: empty; reply ints [lookups, hits, builds, backup_forwards, interrupted, power_micro, n,
-              ranks[n], build_ns, intervals_ns...] (nanoseconds, and the fitted r in millionths, -1 for None: exact
-              whatever the float dtype)
+    STATS     request: empty; reply ints [lookups, hits, builds, backup_forwards, interrupted, power_micro,
+              has_choice, choice[16], n, ranks[n], build_ns, intervals_ns...] (nanoseconds, and the fitted r in
+              millionths, -1 for None: exact whatever the float dtype; choice: the backup choice's tokens,
+              hit_tokens and next_hit per source in millionths, verify per source and seconds per backup in ns,
+              chosen per backup)
     SHUTDOWN  empty
     ERROR     empty: the speculator failed to answer; the verifier falls back to ordinary decoding
 
@@ -40,9 +42,9 @@ import torch
 
 from ssd_eagle.drafters.base import Proposal
 from ssd_eagle.sampling_params import SamplingParams
-from ssd_eagle.ssd.backup import BACKUPS
+from ssd_eagle.ssd.backup import BACKUPS, SOURCES, BackupChoice
 
-PROTOCOL_VERSION = 7  # 6: PROPOSE rows without rounds; 5: REPLY without the backup word; 4: REPLY with dense q,
+PROTOCOL_VERSION = 8  # 7: STATS without the backup choice; 6: PROPOSE rows without rounds; 5: REPLY without the backup word; 4: REPLY with dense q,
 # without fanout and r, and (transport) header and payloads in separate sends; 3: STATS without interrupted builds
 # and the fitted r; 2: one ADD per sequence (no chunks); 1: the unversioned layout before this module (no aux
 # width, float statistics)
@@ -227,14 +229,42 @@ def decode_remove(msg: Message) -> int:
 
 
 # STATS (the reply; the request is ``Message(STATS)``)
-def encode_stats(stats, intervals: list[float]) -> Message:
+_CHOICE_FIELDS = (("tokens", SOURCES, 1e6), ("hit_tokens", SOURCES, 1e6), ("next_hit", SOURCES, 1e6),
+                  ("verify", SOURCES, 1e9), ("seconds", BACKUPS, 1e9))  # (BackupChoice attribute, keys, scale)
+_CHOICE_WORDS = sum(len(keys) for _, keys, _ in _CHOICE_FIELDS) + len(BACKUPS)
+
+
+def _choice_words(choice: BackupChoice | None) -> list[int]:
+    if choice is None:
+        return [0] + [-1] * (_CHOICE_WORDS - len(BACKUPS)) + [0] * len(BACKUPS)
+    words = [1]
+    for name, keys, scale in _CHOICE_FIELDS:
+        values = getattr(choice, name)
+        words += [-1 if values[k] is None else round(values[k] * scale) for k in keys]
+    return words + [choice.chosen[b] for b in BACKUPS]
+
+
+def _choice_of(words: list[int]) -> dict | None:
+    """The :meth:`BackupChoice.summary` of the words :func:`_choice_words` wrote (None: no choice was sent)."""
+    if not words[0]:
+        return None
+    choice, i = BackupChoice(), 1
+    for name, keys, scale in _CHOICE_FIELDS:
+        getattr(choice, name).update({k: None if w < 0 else w / scale for k, w in zip(keys, words[i: i + len(keys)])})
+        i += len(keys)
+    choice.chosen.update(zip(BACKUPS, words[i:]))
+    return choice.summary()
+
+
+def encode_stats(stats, intervals: list[float], choice: BackupChoice | None = None) -> Message:
     """``stats``: a :class:`~ssd_eagle.ssd.lookup.SpeculatorStats`; ``intervals``: wall-clock build
-    start/end pairs in seconds (``time.time()``)."""
+    start/end pairs in seconds (``time.time()``); ``choice``: the speculator's backup choice (decoded into
+    ``stats.backup``)."""
     ns = [round(x * 1e9) for x in (stats.build_time, *intervals)]
     power = -1 if stats.fanout_power is None else round(stats.fanout_power * 1e6)
     return Message(STATS, torch.tensor([stats.lookups, stats.hits, stats.builds, stats.backup_forwards,
-                                        stats.interrupted, power, len(stats.bonus_ranks), *stats.bonus_ranks, *ns],
-                                       dtype=torch.long))
+                                        stats.interrupted, power, *_choice_words(choice), len(stats.bonus_ranks),
+                                        *stats.bonus_ranks, *ns], dtype=torch.long))
 
 
 def decode_stats(msg: Message):
@@ -242,8 +272,10 @@ def decode_stats(msg: Message):
     from ssd_eagle.ssd.lookup import SpeculatorStats
 
     values = msg.ints.tolist()
-    lookups, hits, builds, backup_forwards, interrupted, power, n = values[:7]
-    build_ns, *intervals = values[7 + n:]
-    stats = SpeculatorStats(lookups, hits, values[7: 7 + n], build_ns / 1e9, builds, backup_forwards, interrupted,
-                            None if power < 0 else power / 1e6)
+    lookups, hits, builds, backup_forwards, interrupted, power = values[:6]
+    head = 6 + 1 + _CHOICE_WORDS
+    n = values[head]
+    build_ns, *intervals = values[head + 1 + n:]
+    stats = SpeculatorStats(lookups, hits, values[head + 1: head + 1 + n], build_ns / 1e9, builds, backup_forwards,
+                            interrupted, None if power < 0 else power / 1e6, _choice_of(values[6: head]))
     return stats, [x / 1e9 for x in intervals]

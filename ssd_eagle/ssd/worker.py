@@ -205,7 +205,7 @@ def serve(speculator, channel: t.Channel, intervals: list[float]) -> None:
         elif msg.command == p.REMOVE:
             speculator.remove(p.decode_remove(msg))
         elif msg.command == p.STATS:
-            channel.send(p.encode_stats(speculator.stats, intervals))
+            channel.send(p.encode_stats(speculator.stats, intervals, speculator.choice))
         elif msg.command == p.PROPOSE:
             if sent is not None:
                 speculator.observe_verify((arrived or time.perf_counter()) - sent)
