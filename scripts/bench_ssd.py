@@ -7,7 +7,9 @@ for T = 0, 0.5, 1.0. Per configuration and temperature it prints tokens/s, tau, 
 AR and to SD, and for SD the measured verify time V and drafting time D per round, whose ``(V + D) / V`` caps what
 SSD can gain over that SD, and for SSD the bound ``tau x T1 / V(K+1)`` (T1: AR's one-token step, V(K+1): the SSD
 run's verification of K + 1 tokens) on its speedup over AR, next to the verifier's mean wait per round for its drafts
-on cache hits and on misses (``wait_on_hit_ms``, ``wait_on_miss_ms`` of ``spec_stats``). ``--repeats N`` runs every
+on cache hits and on misses (``wait_on_hit_ms``, ``wait_on_miss_ms`` of ``spec_stats``), and below the table the
+speculator's own ms per backup call (``SpeculatorStats.backup``: the rest of a miss's wait is the link and the build
+it interrupted). ``--repeats N`` runs every
 configuration N times, in N interleaved passes (each pass runs every configuration once), and reports the median;
 every ``*_plan`` row (the planner's choice, :mod:`ssd_eagle.planner`) gets the check "planner's choice vs AR: median
 ratio over N runs (goal >= 0.97)", the ratios taken pass by pass, with the rounds per planned draft length. At
