@@ -317,3 +317,12 @@ def test_a_looping_turn_is_aborted_at_a_check_not_generated_to_its_cap(tiny_engi
     # caught at a multiple of REPETITION_CHECK_TOKENS, far below the cap of 400 tokens
     assert regen.counts["tokens_generated"] <= 6 * 2 * scheduler.REPETITION_CHECK_TOKENS
     assert not regen.engine.requests and not regen.engine.running  # aborted requests left the engine
+
+
+def test_a_packed_row_with_unicode_line_separators_reads_back_whole(tmp_path):
+    """A response of the 10th regeneration round held an unescaped U+2028 (``ensure_ascii=False``): reading the pack
+    with ``str.splitlines`` cut that row in two (JSONDecodeError in ``--merge``)."""
+    rows = [{"id": "a", "messages": [{"role": "assistant", "content": "one\u2028two\x85three\u2029"}]}, {"id": "b"}]
+    path = tmp_path / "rows.jsonl.gz"
+    path.write_bytes(gzip.compress("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows).encode()))
+    assert pack.read_rows_file(path) == rows

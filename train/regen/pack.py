@@ -48,9 +48,10 @@ def row_sort_key(row: dict) -> tuple:
 
 
 def read_rows_file(path: Path) -> list[dict]:
-    """Rows of a packed ``.jsonl.gz`` or a ``.jsonl`` file."""
+    """Rows of a packed ``.jsonl.gz`` or a ``.jsonl`` file. Lines end at ``\n`` only: a response may hold U+2028
+    or U+0085 unescaped (``ensure_ascii=False``), where ``str.splitlines`` would cut its row in two."""
     if path.suffix == ".gz":
-        return [json.loads(line) for line in gzip.decompress(path.read_bytes()).decode().splitlines() if line.strip()]
+        return [json.loads(line) for line in gzip.decompress(path.read_bytes()).split(b"\n") if line.strip()]
     return read_jsonl(path)
 
 
