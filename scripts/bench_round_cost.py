@@ -16,21 +16,17 @@ import argparse
 import os
 import statistics
 import time
-from pathlib import Path
 
 import torch
 
-from ssd_eagle.assets import DEFAULT_MODEL, load_model
-from ssd_eagle.config import EngineConfig, SpeculativeConfig
+from ssd_eagle.assets import load_model
+from ssd_eagle.config import EngineConfig, SpeculativeConfig, add_bench_model_args
 from ssd_eagle.engine.factory import make_drafter
 from ssd_eagle.engine.llm import render_chat
 from ssd_eagle.engine.llm_engine import LLMEngine
-from ssd_eagle.platform import DTYPE_HELP, DTYPES, describe_line, resolve_dtype
+from ssd_eagle.platform import describe_line, resolve_dtype
 from ssd_eagle.prompts import heldout_prompts
 from ssd_eagle.sampling_params import SamplingParams
-
-ROOT = Path(__file__).resolve().parents[1]
-
 
 class FixedK:
     """A planner stand-in that drafts ``k`` tokens (at most the budget) in every round."""
@@ -72,10 +68,7 @@ def run(model, tokenizer, drafter, k: int, prompts, params: SamplingParams) -> l
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default=DEFAULT_MODEL)
-    ap.add_argument("--dtype", default="auto", choices=DTYPES, help=DTYPE_HELP)
-    ap.add_argument("--draft-lm", default=str(ROOT / "drafts/smollm2-135m-draftlm"))
-    ap.add_argument("--eagle3", default=str(ROOT / "drafts/smollm2-135m-eagle3"))
+    add_bench_model_args(ap)
     ap.add_argument("--drafters", default="ngram,draft_model,eagle3", help="comma-separated methods")
     ap.add_argument("--ks", default="0,1,2,5", help="comma-separated draft lengths (0: a planned-off round)")
     ap.add_argument("--temperature", type=float, default=1.0)

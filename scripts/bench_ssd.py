@@ -44,8 +44,8 @@ from pathlib import Path
 
 import torch
 
-from ssd_eagle.assets import DEFAULT_MODEL, load_model
-from ssd_eagle.config import EngineConfig, SpeculativeConfig
+from ssd_eagle.assets import load_model
+from ssd_eagle.config import EngineConfig, SpeculativeConfig, add_bench_model_args
 from ssd_eagle.engine.factory import make_drafter
 from ssd_eagle.engine.llm import render_chat
 from ssd_eagle.engine.llm_engine import LLMEngine
@@ -54,7 +54,7 @@ from ssd_eagle.exactness import TopTwoRecorder, argmax_consistent, first_diverge
 from ssd_eagle.kv_cache import ForwardBatch
 from ssd_eagle.model_runner import RunnerOutput
 from ssd_eagle.models.draft_lm import load_draft_model
-from ssd_eagle.platform import DTYPE_HELP, DTYPES, describe_line, resolve_dtype
+from ssd_eagle.platform import describe_line, resolve_dtype
 from ssd_eagle.prompts import heldout_prompts
 from ssd_eagle.sampling_params import SamplingParams
 from ssd_eagle.ssd.fanout import fit_power_law, hit_rate_by_rank
@@ -229,10 +229,7 @@ def run_hf(model, assistant, prompts, params, kind: str, k: int) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default=DEFAULT_MODEL)
-    ap.add_argument("--dtype", default="auto", choices=DTYPES, help=DTYPE_HELP)
-    ap.add_argument("--draft-lm", default=str(ROOT / "drafts/smollm2-135m-draftlm"))
-    ap.add_argument("--eagle3", default=str(ROOT / "drafts/smollm2-135m-eagle3"))
+    add_bench_model_args(ap)
     ap.add_argument("--eagle3-saguaro", default=str(ROOT / "drafts/smollm2-135m-eagle3-saguaro"),
                     help="a Saguaro-aware head, compared with the plain head at the same (C, F) (issue 7); '' skips")
     ap.add_argument("--configs", default=None, help="comma-separated subset of configuration names")

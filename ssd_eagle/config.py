@@ -323,6 +323,17 @@ def add_engine_args(parser):
     return parser
 
 
+def add_bench_model_args(parser):
+    """The target and draft options every benchmark script takes: ``--model``, ``--dtype`` (auto: see
+    :mod:`ssd_eagle.platform`), ``--draft-lm`` and ``--eagle3`` (default: the committed drafts of
+    ``configs/default_serving.yaml``)."""
+    parser.add_argument("--model", default=DEFAULT_MODEL)
+    parser.add_argument("--dtype", default="auto", choices=DTYPES, help=DTYPE_HELP)
+    parser.add_argument("--draft-lm", default=default_draft_model("draft_model"))
+    parser.add_argument("--eagle3", default=default_draft_model("eagle3"))
+    return parser
+
+
 def engine_config_from_args(args) -> EngineConfig:
     """Build an :class:`EngineConfig` from parsed :data:`ENGINE_FLAGS` (attributes missing from ``args`` take the
     flag's default).
