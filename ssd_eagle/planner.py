@@ -36,6 +36,11 @@ import torch
 from ssd_eagle.stats import SpecStats
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
+# PlannerConfig.min_rounds of the engines' planners (planner_for). Measured 2026-12-03 (2-core Intel Xeon with AMX,
+# bf16, 2 held-out prompts x 64 tokens, 3 interleaved passes, x AR at T = 0 / 0.5 / 1, 0 -> 6): planned EAGLE-3
+# chain 1.23 / 1.25 / 0.98 -> 1.28 / 1.16 / 1.17 (its worst pass 0.92 -> 1.14), planned tree 1.33 / 1.21 / 1.16 ->
+# 1.33 / 1.31 / 1.14, planned draft LM 1.04 / 0.99 / 0.95 -> 1.02 / 1.00 / 0.96.
+MIN_ROUNDS = 6
 
 
 # ----------------------------------------------------------------------------------------------------------- costs
@@ -243,6 +248,13 @@ class PlannerConfig:
             a fixed K = 5); the interval doubles, up to ``max_explore_every``, while the plan stays the same, and
             is at least what keeps the exploring rounds' extra time within ``probe_overhead``. 0: never.
         max_explore_every: the longest interval between two exploring rounds.
+        min_rounds: speculation is not switched off on the evidence of fewer drafted rounds than this (engine-wide,
+            since the planner started), as long as the prior alone (every ``a_i`` = 0.5) says drafting pays: a
+            request's first rounds are a handful of draws, and the engine-wide prior they shrink toward is made of
+            the same draws. A tree at T = 0.5 whose first two rounds accepted nothing read ``a_1`` = 0.13 and was
+            switched off for 118 of its 125 rounds (probes spaced 21+ rounds apart, each one draw): 0.97x AR, where
+            the same tree unplanned ran at 1.44x. A drafter that does not pay even at the prior (most float32
+            cases) is still switched off at once. 0: no such rule.
         tree_nodes: the nodes of a tree round (0: chains). A tree is planned on or off: K is 0 or ``max_k`` (its
             depth), a round on verifies ``tree_nodes + 1`` tokens, a probe is a whole tree, and ``a_i`` is the
             chance that the accepted path reaches depth i given it reached i - 1 (so ``E`` is the tree's tokens per
@@ -261,6 +273,7 @@ class PlannerConfig:
     min_cost_rounds: float = 0.0
     explore_every: int = 8
     max_explore_every: int = 64
+    min_rounds: int = 0
     tree_nodes: int = 0
 
 
@@ -287,6 +300,7 @@ class Planner:
         self.probe_interval: dict[str, int] = {}
         self.decisions: dict[int, int] = {}
         self.explored = 0  # exploring rounds run (:meth:`explore`)
+        self.drafted_rounds = 0  # verified rounds that drafted (the evidence :meth:`learning` counts)
         self._plain_k = 0  # the last planned K before exploration
         self._since_explore = 0
         self._explore_interval = config.explore_every
@@ -325,7 +339,7 @@ class Planner:
             candidates = range(cfg.max_k + 1) if cfg.choose_k and not cfg.tree_nodes else (0, cfg.max_k)
             rates = {c: self.rate(c, request_ids) for c in candidates}
             k = max(candidates[1:], key=lambda c: (rates[c], -c))  # off only where plain decoding clearly wins
-            if rates[0] > (1.0 + cfg.off_margin) * rates[k]:
+            if rates[0] > (1.0 + cfg.off_margin) * rates[k] and not self.learning(k, request_ids):
                 k = 0
             k = self.explore(k, len(request_ids))
         self.decisions[k] = self.decisions.get(k, 0) + 1
@@ -345,6 +359,14 @@ class Planner:
                 self.probe_interval.pop(r, None)
                 out[r] = (k, False)
         return out
+
+    def learning(self, k: int, request_ids: list[str]) -> bool:
+        """Whether fewer than ``min_rounds`` drafted rounds were verified while drafting ``k`` tokens pays at the
+        prior acceptance (every ``a_i`` = 0.5, no evidence): speculation then stays on (:class:`PlannerConfig`)."""
+        if self.drafted_rounds >= self.config.min_rounds:
+            return False
+        prior = expected_tokens(Acceptance().rates(k)) / self.round_time(k, len(request_ids))
+        return prior > (1.0 + self.config.off_margin) / self.round_time(0, len(request_ids))
 
     def explore(self, k: int, batch: int = 1) -> int:
         """The planned ``k``, or ``max_k`` on an exploring round (:class:`PlannerConfig` ``explore_every``), spaced
@@ -406,6 +428,7 @@ class Planner:
         for r, (n, k) in drafted.items():
             self.acceptance.setdefault(r, Acceptance()).record(n, k)
             self.engine_wide.record(n, k)
+        self.drafted_rounds += any(n > 0 for n, _ in drafted.values())
         if not self.config.learn_costs:
             return
         longest = max(n for n, _ in drafted.values())
@@ -481,4 +504,4 @@ def planner_for(engine, spec) -> Planner | None:
     costs = measure_verify_costs(engine.target, spec.max_draft_tokens + 1, engine.max_num_seqs)
     choose_k = "num_speculative_tokens" not in spec.model_fields_set
     return Planner(PlannerConfig(max_k=k, choose_k=choose_k, tree_nodes=tree.budget if tree else 0,
-                                 min_cost_rounds=3.5 if mode == "ssd" else 0.0), costs)
+                                 min_cost_rounds=3.5 if mode == "ssd" else 0.0, min_rounds=MIN_ROUNDS), costs)

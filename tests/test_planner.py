@@ -123,6 +123,27 @@ def test_a_drafter_that_never_matches_ends_in_plain_decoding_and_a_probe_brings_
     assert sum(planner.decisions.values()) == 81 and planner.decisions.get(0, 0) > 0
 
 
+def test_speculation_stays_on_through_min_rounds_of_thin_evidence_unless_the_prior_loses_too():
+    """A 2-node tree (drafting 0.3 s, verifying 1.1 s) whose first rounds accepted nothing: with ``min_rounds`` = 4
+    it drafts through 4 verified rounds and only then decodes plainly (without the rule: plain from the third round
+    on, a_1 read 0.13 after two misses), as it pays at the prior a_i = 0.5 (1.75 tokens in 1.4 s). Verification
+    that grows linearly loses even at the prior (1.75 tokens in 3.3 s): plain at once."""
+    def run(min_rounds: int, verify: list[float]) -> list[int]:
+        planner = Planner(PlannerConfig(max_k=2, tree_nodes=2, min_rounds=min_rounds, probe_every=64),
+                          CostTable({1: verify}))
+        ks = []
+        for _ in range(6):
+            k = planner.choose(["r"])["r"]
+            ks.append(k)
+            planner.observe({"r": (k, 0)}, 0.3 if k else 0.0, 1.0, 3 if k else 1)
+        return ks
+
+    flat = [1.0, 1.05, 1.1]
+    assert run(0, flat) == [2, 2, 0, 0, 0, 0]
+    assert run(4, flat) == [2, 2, 2, 2, 0, 0]
+    assert run(4, [1.0, 2.0, 3.0]) == [0] * 6
+
+
 def test_failed_probes_back_off_and_speculating_resets_the_interval():
     # probes nearly free (spaced by the backoff alone)
     planner = planner_with([1.0, 1.001, 1.002, 1.003, 1.004], rate=0.0, max_k=4, probe_every=2, max_probe_every=8,
