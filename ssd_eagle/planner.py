@@ -361,8 +361,9 @@ class Planner:
         return out
 
     def learning(self, k: int, request_ids: list[str]) -> bool:
-        """Whether fewer than ``min_rounds`` drafted rounds were verified while drafting ``k`` tokens pays at the
-        prior acceptance (every ``a_i`` = 0.5, no evidence): speculation then stays on (:class:`PlannerConfig`)."""
+        """Whether the planner is still learning: fewer than ``min_rounds`` drafted rounds were verified, and drafting
+        ``k`` tokens pays at the prior acceptance (every ``a_i`` = 0.5). Speculation then stays on
+        (:class:`PlannerConfig`)."""
         if self.drafted_rounds >= self.config.min_rounds:
             return False
         prior = expected_tokens(Acceptance().rates(k)) / self.round_time(k, len(request_ids))
