@@ -85,7 +85,7 @@ def scripts(assets, tmp_path_factory):
                                 "--dtypes", "float32,auto", "--repeats", "2", "--warmup", "1"),
         "bench_round_cost": Script("scripts/bench_round_cost.py", "--model", target, "--draft-lm",
                                    str(assets["draft_lm"]), "--eagle3", str(assets["eagle3"]), "--ks", "0,2",
-                                   "--max-tokens", "4", "--repeats", "1"),
+                                   "--plan", "--max-tokens", "4", "--repeats", "1"),
         "gpu_throughput": Script("scripts/gpu_throughput.py", "--device", "cpu", "--layers", "1", "--tokens", "2"),
         "load_test": Script("scripts/load_test.py", "--url", server.url, "--clients", "2", "--duration", "1",
                             "--warmup", "0", "--max-tokens", "4"),
@@ -134,7 +134,7 @@ def test_bench_forward(scripts):
 def test_bench_round_cost(scripts):
     out = scripts[0]["bench_round_cost"].output()
     rows = {tuple(line.split()[:2]) for line in out.split("drafter ", 1)[1].splitlines()[1:] if line[:1].isalpha()}
-    assert {("ar", "0")} | {(d, k) for d in ("ngram", "draft_model", "eagle3") for k in ("0", "2")} <= rows
+    assert {("ar", "0")} | {(d, k) for d in ("ngram", "draft_model", "eagle3") for k in ("0", "2", "plan")} <= rows
 
 
 def test_gpu_throughput_on_cpu(scripts):
