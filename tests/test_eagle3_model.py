@@ -169,7 +169,9 @@ def test_cached_chain_drafting_equals_uncached_recomputation(attn):
         total = lengths[r] + k_steps
         with torch.no_grad():
             full = model(seq_ids[r][None], seq_hidden[r][None], torch.arange(total)[None])[0]
-        assert (full - seq_out[r]).abs().max() < 1e-10
+        # transformers' eager attention takes its softmax in float32: on an AVX2-only CPU (AMD EPYC Zen 3) the padded
+        # batch and the single row round it differently (2.4e-6 on outputs of magnitude ~50); AVX512 CPUs matched
+        assert (full - seq_out[r]).abs().max() < (1e-10 if attn == "sdpa" else 1e-5)
 
 
 # ---------------------------------------------------------------- vocabulary

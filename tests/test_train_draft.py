@@ -59,7 +59,7 @@ def test_unroll_equals_naive_chain_drafting(attn):
     """Step i at position t equals drafting a chain after x_{t+1}: a fresh causal forward over the context pairs
     (x_{s+1}, fc(f_s)), s <= t, followed by the chain's own pairs (x_{t+1+j}, h^{j-1}) at positions t+j."""
     head, _ = make_head(attn=attn)
-    tol = 1e-9 if attn == "sdpa" else 1e-6  # transformers' eager attention takes its softmax in float32
+    tol = 1e-9 if attn == "sdpa" else 1e-5  # eager attention: softmax in float32 (1.2e-6 apart on an AVX2 EPYC)
     torch.manual_seed(1)
     n, k = 9, 4
     ids = torch.randint(0, VOCAB, (2, n))
