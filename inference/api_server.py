@@ -162,7 +162,7 @@ async def health(request: Request) -> JSONResponse:
     if status != "ready":
         return JSONResponse({"status": status}, status_code=503)
     drafter = server.engine.drafter
-    platform = describe(server.engine.target.device, server.engine.target.dtype)
+    platform = describe(server.engine.target.device, server.engine.target.weight_dtype)
     if not (drafter.probe() if callable(getattr(drafter, "probe", None)) else getattr(drafter, "healthy", True)):
         error = getattr(drafter, "error", None)
         return JSONResponse({"status": "degraded", "reason": "the drafter reports unhealthy; decoding continues "

@@ -220,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
                                           "max_model_len": engine.max_model_len, "max_num_seqs": engine.max_num_seqs,
                                           "auth": bool(args.api_key),
                                           "startup_s": round(time.perf_counter() - started, 3),
-                                          **describe(engine.target.device, engine.target.dtype)}})
+                                          **describe(engine.target.device, engine.target.weight_dtype)}})
     if startup.pending is not None:  # a signal since the load: start, drain (nothing is in flight) and exit
         server.handle_exit(startup.pending, None)
     try:

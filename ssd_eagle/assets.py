@@ -148,6 +148,11 @@ def load_model(name: str, dtype: torch.dtype = torch.float32, device: str | torc
     hides transformers' "Loading weights" (and download) bars during this load (a caller's ``--no-progress``;
     :func:`progress_bars`).
 
+    ``dtype=torch.float16`` on a CPU gives float16 *weights* and float32 activations: the model loads in float32 and
+    its linear weights are rounded to float16 values (:func:`~ssd_eagle.packed_linear.round_linears_to_fp16`), which
+    FBGEMM's fp16 kernels then run (a float16 model computing in float16 on a CPU would be emulated, slower and
+    less accurate). Its parameters are float32.
+
     Raises:
         FileNotFoundError: the model cannot be found locally and cannot be downloaded (offline); the message names
             what to install or where to put it.
@@ -155,15 +160,20 @@ def load_model(name: str, dtype: torch.dtype = torch.float32, device: str | torc
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path = resolve_model_path(name)
+    fp16_weights = dtype == torch.float16 and torch.device(device).type == "cpu"
     try:
         with progress_bars(progress):
             tokenizer = AutoTokenizer.from_pretrained(path)
-            model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32 if fp16_weights else dtype)
     except OSError as err:
         raise FileNotFoundError(
             f"could not load model '{name}': not a local folder, not a packaged model "
             f"({', '.join(sorted({e.pip_name for e in PACKAGED_MODELS.values()}))}), and not available from the "
             f"Hugging Face hub cache ({err.__class__.__name__}: {err})") from err
+    if fp16_weights:
+        from ssd_eagle.packed_linear import round_linears_to_fp16
+
+        round_linears_to_fp16(model)
     return model.to(device).eval(), tokenizer
 
 

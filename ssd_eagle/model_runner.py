@@ -20,6 +20,7 @@ not pay for the padding (attention over the padded length was most of a regenera
 
 from __future__ import annotations
 
+import functools
 import inspect
 from dataclasses import dataclass
 
@@ -30,7 +31,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import sdpa_mask
 
 from ssd_eagle.kv_cache import ForwardBatch, KVCache
-from ssd_eagle.packed_linear import pack_linears, packs_on, unpack_linears
+from ssd_eagle.packed_linear import has_fp16_weights, pack_linears, packs_on, unpack_linears
 from ssd_eagle.sampling import upcast_logits
 
 RAGGED_ATTENTION = "ssd_eagle_ragged_sdpa"
@@ -176,6 +177,14 @@ class ModelRunner:
 
             torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
             self.body = torch.compile(self.body, dynamic=True)
+
+    @functools.cached_property
+    def weight_dtype(self) -> torch.dtype:
+        """The dtype the target is served in (``--dtype``; what ``/health`` reports): float16 for a float32 model
+        whose linear weights are all float16 values (``--dtype float16`` on a CPU,
+        :func:`~ssd_eagle.assets.load_model`), else :attr:`dtype`, the dtype it computes in. Read once (a scan of
+        the weights)."""
+        return torch.float16 if self.dtype == torch.float32 and has_fp16_weights(self.model) else self.dtype
 
     def _install_aux_hooks(self, ids: tuple[int, ...]) -> None:
         if len(set(ids)) != len(ids) or min(ids) < 0 or max(ids) > self.num_layers:

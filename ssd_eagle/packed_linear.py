@@ -1,24 +1,33 @@
-"""Pre-packed bf16 linear weights for CPU inference.
+"""Pre-packed linear weights for CPU inference: bf16 through oneDNN, float16 through FBGEMM.
 
-oneDNN runs a bf16 matmul on AMX / AVX512-BF16 from weights in a blocked layout. ``torch.nn.functional.linear``
-reorders the plain ``[out, in]`` weight into that layout on **every call**, so a decode step that multiplies one row
-by every weight of the model pays the reorder each time: on a 2-core Xeon with AMX a one-row bf16 matmul ran at ~10
-GB/s of weights (float32: ~20) and SmolLM2-135M's bf16 step cost what its float32 step costs. :func:`pack_linears`
-reorders each weight once (``torch.ops.mkldnn._reorder_linear_weight``) and runs the layer through
-``torch.ops.mkldnn._linear_pointwise``, the kernels ``torch.compile`` uses after freezing:
+``torch.nn.functional.linear`` runs a decode step's few-row matmuls badly on a CPU, for two reasons this module
+removes by packing each weight once:
 
-- one-row 576 x 1536 bf16 matmul 148 -> 73 us, 6 rows 161 -> 72 us; SmolLM2-135M step through
+- **bf16** (CPUs with AVX512-BF16 / AMX): oneDNN reorders the plain ``[out, in]`` weight into its blocked layout
+  on **every call**, so a one-row matmul ran at ~10 GB/s of weights on a 2-core Xeon with AMX and SmolLM2-135M's
+  bf16 step cost what its float32 step costs. The layer runs ``torch.ops.mkldnn._linear_pointwise`` on a weight
+  reordered once (``torch.ops.mkldnn._reorder_linear_weight``), the kernels ``torch.compile`` uses after freezing:
+  one-row 576 x 1536 matmul 148 -> 73 us, 6 rows 161 -> 72 us; SmolLM2-135M step through
   :class:`~ssd_eagle.model_runner.ModelRunner` (300-token context) 1 token 63.9 -> 48.6 ms, 6 tokens 71.7 -> 57.6 ms
   (bf16, one thread, same Xeon, same run).
+- **float32 weights whose values are exactly float16** (any CPU with AVX2): MKL's sgemm is slow for 2..8 rows on
+  an AVX2-only AMD EPYC (Zen 3): a 6-row 576 -> 1536 matmul cost 3.6x a one-row one, so verifying K + 1 = 6
+  tokens cost 2.2x a decode step. FBGEMM's fp16 GEMM (``torch.ops.quantized.linear_prepack_fp16`` /
+  ``linear_dynamic_fp16``, what ``torch.ao`` dynamic fp16 quantization runs) keeps the weight in fp16 (half the
+  bytes) and computes in float32 with kernels made for few rows: SmolLM2-135M step (200-token context, one
+  thread, same Zen 3, same run) 1 token 57.3 -> 38.4 ms, 6 tokens 118.3 -> 55.2 ms. The weight's values are used
+  exactly and sums run in float32, so a packed layer computes what ``F.linear`` computes up to float32 summation
+  order: this path needs no opt-in. ``--dtype float16`` on a CPU (:func:`~ssd_eagle.assets.load_model`) rounds a
+  float32 model's linear weights to float16 values (:func:`round_linears_to_fp16`) so that all of them take it.
 
 Only the forward is replaced (an instance attribute over ``nn.Linear.forward``); ``weight`` stays the module's
 parameter, so state dicts, tied embeddings and training are untouched. The packed copy is rebuilt when the weight
 changes (its version counter or storage), and the plain ``F.linear`` runs whenever autograd needs a graph, the
-weight is no longer bf16 (``model.float()``) or the input's dtype or device differs, under ``torch.compile``, or
-for a sharded weight (tensor parallel). Results equal ``F.linear``'s up to the
-order of bf16 accumulation (another blocking), so every path of one engine (AR, verification, drafting) goes
-through the same packed kernels and greedy SD still equals its AR. The packed copy costs the weights' size again
-in memory.
+weight's dtype is not packed here (``model.double()``; a float32 weight not exactly float16) or the input's dtype
+or device differs, under ``torch.compile``, or for a sharded weight (tensor parallel). Results equal ``F.linear``'s
+up to summation order (another blocking), so every path of one engine (AR, verification, drafting) goes through
+the same packed kernels and greedy SD still equals its AR up to near ties (:mod:`ssd_eagle.exactness`). The packed
+copy costs the weights' size again in bf16, half of it in float16.
 """
 
 from __future__ import annotations
@@ -31,31 +40,96 @@ from torch import nn
 
 from ssd_eagle.platform import cpu_info
 
-PACKED_DTYPES = (torch.bfloat16,)
+PACKED_DTYPES = (torch.bfloat16, torch.float32)
+
+
+def _ops_resolve(namespace: str, *names: str) -> bool:
+    ops = getattr(torch.ops, namespace, None)
+    try:
+        for name in names:
+            getattr(ops, name)  # (resolving raises when absent)
+    except (AttributeError, RuntimeError):
+        return False
+    return True
 
 
 def packing_available() -> bool:
-    """This torch has the oneDNN reorder and packed-linear ops, and the CPU runs bf16 natively
-    (:attr:`~ssd_eagle.platform.CpuInfo.native_bf16`; on an AVX2-only CPU bf16 is emulated and packing is not
-    what limits it)."""
-    ops = getattr(torch.ops, "mkldnn", None)
-    try:
-        ops._reorder_linear_weight, ops._linear_pointwise  # noqa: B018 (resolving raises when absent)
-    except (AttributeError, RuntimeError):
-        return False
-    return cpu_info().native_bf16
+    """bf16 packing: this torch has the oneDNN reorder and packed-linear ops, and the CPU runs bf16 natively
+    (:attr:`~ssd_eagle.platform.CpuInfo.native_bf16`; on an AVX2-only CPU bf16 is emulated, and oneDNN's bf16
+    reorder refuses to run without AVX512BW/VL/DQ or AVX-NE-CONVERT)."""
+    return _ops_resolve("mkldnn", "_reorder_linear_weight", "_linear_pointwise") and cpu_info().native_bf16
+
+
+def fp16_packing_available() -> bool:
+    """float16 packing: this torch has FBGEMM (``torch.backends.quantized.supported_engines``) with its fp16-weight
+    ops, and the CPU has AVX2, FBGEMM's minimum."""
+    return "fbgemm" in torch.backends.quantized.supported_engines and "avx2" in cpu_info().flags \
+        and _ops_resolve("quantized", "linear_prepack_fp16", "linear_dynamic_fp16")
 
 
 def packs_on(device: str | torch.device) -> bool:
-    """Whether models on ``device`` run their bf16 linears packed: a CPU where :func:`packing_available`. The one
-    decision :class:`~ssd_eagle.model_runner.ModelRunner` (unless compiled), the EAGLE-3 backend and
-    :func:`~ssd_eagle.platform.describe` follow."""
-    return torch.device(device).type == "cpu" and packing_available()
+    """Whether models on ``device`` run linears packed where their weights allow: a CPU where
+    :func:`packing_available` (bf16 weights) or :func:`fp16_packing_available` (float32 weights exactly float16).
+    The one decision :class:`~ssd_eagle.model_runner.ModelRunner` (unless compiled) and the EAGLE-3 backend follow."""
+    return torch.device(device).type == "cpu" and (packing_available() or fp16_packing_available())
+
+
+def exactly_fp16(weight: torch.Tensor) -> bool:
+    """A plain float32 tensor whose every value is a float16 value (finite, no precision lost in a float16 copy); a
+    sharded (DTensor) weight is not checked and counts as not."""
+    return weight.dtype == torch.float32 and type(weight) is torch.Tensor \
+        and torch.equal(weight, weight.to(torch.float16).float())
+
+
+def packable(weight: torch.Tensor) -> bool:
+    """This plain CPU weight can run packed: bf16 where :func:`packing_available`, float32 with float16 values
+    where :func:`fp16_packing_available`."""
+    if weight.device.type != "cpu" or type(weight.data) is not torch.Tensor or weight.numel() == 0:
+        return False
+    if weight.dtype == torch.bfloat16:
+        return packing_available()
+    return weight.dtype == torch.float32 and fp16_packing_available() and exactly_fp16(weight.detach())
+
+
+def round_linears_to_fp16(module: nn.Module) -> int:
+    """Round every float32 ``nn.Linear`` weight of ``module`` to its nearest float16 value (the storage stays float32:
+    activations and sums stay float32, and :func:`pack_linears` runs these layers through FBGEMM's fp16 kernels).
+    What ``--dtype float16`` means on a CPU. A weight shared with another kind of module (an output layer tied to
+    the input embeddings) gets a rounded copy of its own and the embeddings keep their values, so a draft LM's check
+    of the target's embeddings (:func:`~ssd_eagle.models.draft_lm.embedding_digest`) still passes; other weights
+    are rounded in place.
+
+    Returns:
+        the number of layers rounded.
+
+    Raises:
+        ValueError: a weight with a value outside float16's range (``|w| > 65504``), which would become inf.
+    """
+    linears = [(name, m) for name, m in module.named_modules() if isinstance(m, nn.Linear)
+               and m.weight.dtype == torch.float32]
+    shared = {id(p) for m in module.modules() if not isinstance(m, nn.Linear) for p in m.parameters(recurse=False)}
+    with torch.no_grad():
+        for name, layer in linears:
+            half = layer.weight.to(torch.float16)
+            if not torch.isfinite(half).all():
+                raise ValueError(f"{name or 'the layer'}.weight has values outside float16's range (|w| > 65504)")
+            if id(layer.weight) in shared:
+                layer.weight = nn.Parameter(half.float(), requires_grad=layer.weight.requires_grad)
+            else:
+                layer.weight.copy_(half)
+    return len(linears)
+
+
+def has_fp16_weights(module: nn.Module) -> bool:
+    """Every ``nn.Linear`` weight of ``module`` is float32 with float16 values (:func:`round_linears_to_fp16` ran,
+    or the checkpoint was float16): its drafts follow it (:func:`~ssd_eagle.engine.factory.load_draft`)."""
+    weights = [m.weight for m in module.modules() if isinstance(m, nn.Linear)]
+    return bool(weights) and all(exactly_fp16(w.detach()) for w in weights)
 
 
 class PackedForward:
     """The forward :func:`pack_linears` installs on one ``nn.Linear``: ``[.., in] -> [.., out]`` through the packed
-    weight, else ``F.linear``.
+    weight (bf16: oneDNN; float32 with float16 values: FBGEMM), else ``F.linear``.
 
     Inference only: a weight written in place behind autograd's back (``weight.data.copy_``, or in place under
     ``torch.inference_mode`` on a weight made there) keeps its version and storage, so its stale packed copy would
@@ -88,14 +162,27 @@ class PackedForward:
             return F.linear(x, weight, bias)
         key = (0 if weight.is_inference() else weight._version, weight.data_ptr())  # (no counter on those)
         if key != self.key:
-            self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 1)
+            self.packed = _pack(weight.detach())
             self.key = key
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, bias, "none", [], "")
+        if self.packed is None:
+            return F.linear(x, weight, bias)
+        if weight.dtype == torch.bfloat16:
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed, bias, "none", [], "")
+        out = torch.ops.quantized.linear_dynamic_fp16(x.contiguous(), self.packed)
+        return out if bias is None else out.add_(bias)
+
+
+def _pack(weight: torch.Tensor):
+    """The packed copy of a plain weight: oneDNN's blocked bf16, FBGEMM's fp16, or None where the weight cannot run
+    packed any more (a float32 weight written to values float16 cannot hold)."""
+    if weight.dtype == torch.bfloat16:
+        return torch.ops.mkldnn._reorder_linear_weight(weight, 1)
+    return torch.ops.quantized.linear_prepack_fp16(weight, None) if exactly_fp16(weight) else None
 
 
 def pack_linears(module: nn.Module) -> int:
-    """Install :class:`PackedForward` on every CPU bf16 ``nn.Linear`` of ``module`` (plain weights only; a DTensor
-    shard keeps ``F.linear``). Idempotent.
+    """Install :class:`PackedForward` on every ``nn.Linear`` of ``module`` whose weight is :func:`packable` (plain
+    weights only; a DTensor shard keeps ``F.linear``). Idempotent.
 
     Returns:
         the number of layers that now run packed.
@@ -104,8 +191,7 @@ def pack_linears(module: nn.Module) -> int:
     for layer in module.modules():
         if not isinstance(layer, nn.Linear):
             continue
-        weight = layer.weight
-        if weight.device.type != "cpu" or weight.dtype not in PACKED_DTYPES or type(weight.data) is not torch.Tensor:
+        if not packable(layer.weight):
             continue
         if not isinstance(layer.__dict__.get("forward"), PackedForward):
             layer.forward = PackedForward(layer)

@@ -82,12 +82,18 @@ class CostTable:
 
 
 def cost_key(model, max_new: int, buckets: tuple[int, ...]) -> str:
-    """A digest of what a forward's cost depends on: the model's config and dtype, torch's thread count and the CPU
-    affinity of this process, the torch version, this project's runner code, and the table's extent."""
+    """A digest of what a forward's cost depends on: the model's config and dtype, how many of its linear layers run
+    packed (a float32 model with float16 weights runs FBGEMM's kernels, :mod:`ssd_eagle.packed_linear`), torch's
+    thread count and the CPU affinity of this process, the torch version, this project's runner code, and the
+    table's extent."""
+    from ssd_eagle.packed_linear import PackedForward
+
     param = next(model.parameters())
-    code = b"".join((Path(__file__).parent / name).read_bytes() for name in ("model_runner.py", "kv_cache.py"))
+    packed = sum(isinstance(m.__dict__.get("forward"), PackedForward) for m in model.modules())
+    code = b"".join((Path(__file__).parent / name).read_bytes()
+                    for name in ("model_runner.py", "kv_cache.py", "packed_linear.py"))
     affinity = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
-    parts = [model.config.to_json_string(use_diff=False), str(param.dtype), str(param.device),
+    parts = [model.config.to_json_string(use_diff=False), str(param.dtype), f"packed {packed}", str(param.device),
              str(torch.get_num_threads()), str(affinity), torch.__version__, hashlib.sha256(code).hexdigest(),
              str(max_new), str(buckets)]
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:24]

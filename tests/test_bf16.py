@@ -12,6 +12,7 @@ import torch
 
 from helpers import make_tiny_llama, noisy_copy, random_prompts
 from ssd_eagle.drafters import DraftModelDrafter, NgramDrafter
+from ssd_eagle.engine.factory import follow_weights
 from ssd_eagle.engine.llm_engine import LLMEngine
 from ssd_eagle.exactness import TopTwo, TopTwoRecorder, argmax_consistent, judge, near_tie_bound
 from ssd_eagle.sampling_params import SamplingParams
@@ -50,7 +51,8 @@ def _decode(engine: LLMEngine, prompt: list[int], params: SamplingParams, record
 
 
 def _engines(target, tokenizer):
-    draft = noisy_copy(copy.deepcopy(target).float(), 0.02).to(torch.bfloat16)  # (.float() alone converts the target)
+    draft = noisy_copy(copy.deepcopy(target).float(), 0.02).to(target.dtype)  # (.float() alone converts the target)
+    follow_weights(draft, target)
     return {
         "sd_ngram": LLMEngine(target, tokenizer, NgramDrafter(1, 3), num_speculative_tokens=K, max_num_seqs=1,
                               max_model_len=512),
@@ -64,12 +66,31 @@ def _engines(target, tokenizer):
 def packing(request, monkeypatch):
     """Every runner and head packs its bf16 weights (:mod:`ssd_eagle.packed_linear`) or none does."""
     import ssd_eagle.packed_linear
-    from test_packed_linear import _ops_present
+    from test_packed_linear import BF16_HERE
 
-    if request.param and not _ops_present():
-        pytest.skip("torch built without oneDNN's packed-linear ops")
+    if request.param and not BF16_HERE:
+        pytest.skip("bf16 packing needs oneDNN's packed-linear ops and a CPU with native bf16")
     monkeypatch.setattr(ssd_eagle.packed_linear, "packing_available", lambda: request.param)
     return request.param
+
+
+def _follow_ar_up_to_near_ties(target, tokenizer, packed: bool) -> None:
+    prompts = random_prompts(8, seed=11)
+    ar_engine = LLMEngine(target, tokenizer, None, max_num_seqs=1, max_model_len=512)
+    assert ar_engine.target.packed_weights == packed
+    greedy = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
+    reference = [_decode(ar_engine, p, greedy, record=True) for p in prompts]
+    checked = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprobs=1)
+    for name, engine in _engines(target, tokenizer).items():
+        assert engine.target.dtype == target.dtype and engine.target.packed_weights == packed
+        for prompt, (ar, ar_top2) in zip(prompts, reference):
+            out, _ = _decode(engine, prompt, checked)
+            assert argmax_consistent(out.logprobs), f"{name}: a token that is not its verification's argmax"
+            d = judge(ar.token_ids, ar_top2, out.token_ids)
+            assert d is None or d.allowed, f"{name}: diverges from AR at {d} (not a near tie)"
+        assert max(engine.stats.accepted_lengths) >= 2, f"{name}: no multi-token verification happened"
+        if engine.drafter is not None:
+            engine.drafter.close()
 
 
 def test_sd_and_ssd_follow_bf16_ar_up_to_near_ties(byte_tokenizer, packing):
@@ -79,22 +100,21 @@ def test_sd_and_ssd_follow_bf16_ar_up_to_near_ties(byte_tokenizer, packing):
     # bound in scripts/bench_ssd.py); 0.1 still gives logits of magnitude 3 (the bound's relative regime) and
     # divergences at near ties
     target = make_tiny_llama(seed=3, dtype=torch.bfloat16, init_std=0.1)
-    prompts = random_prompts(8, seed=11)
-    ar_engine = LLMEngine(target, byte_tokenizer, None, max_num_seqs=1, max_model_len=512)
-    assert ar_engine.target.packed_weights == packing
-    greedy = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
-    reference = [_decode(ar_engine, p, greedy, record=True) for p in prompts]
-    checked = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprobs=1)
-    for name, engine in _engines(target, byte_tokenizer).items():
-        assert engine.target.dtype == torch.bfloat16 and engine.target.packed_weights == packing
-        for prompt, (ar, ar_top2) in zip(prompts, reference):
-            out, _ = _decode(engine, prompt, checked)
-            assert argmax_consistent(out.logprobs), f"{name}: a token that is not its verification's argmax"
-            d = judge(ar.token_ids, ar_top2, out.token_ids)
-            assert d is None or d.allowed, f"{name}: diverges from AR at {d} (not a near tie)"
-        assert max(engine.stats.accepted_lengths) >= 2, f"{name}: no multi-token verification happened"
-        if engine.drafter is not None:
-            engine.drafter.close()
+    _follow_ar_up_to_near_ties(target, byte_tokenizer, packing)
+
+
+def test_sd_and_ssd_with_float16_weights_follow_their_ar_up_to_near_ties(byte_tokenizer):
+    """``--dtype float16`` on a CPU: float32 activations, linear weights rounded to float16 values and run by
+    FBGEMM where it is built (its kernels sum in another order for 1 and for K + 1 rows)."""
+    from ssd_eagle.packed_linear import fp16_packing_available, has_fp16_weights, round_linears_to_fp16
+
+    target = make_tiny_llama(seed=3, dtype=torch.float32, init_std=0.1)
+    round_linears_to_fp16(target)
+    _follow_ar_up_to_near_ties(target, byte_tokenizer, fp16_packing_available())
+    draft = noisy_copy(copy.deepcopy(target), 0.02)
+    assert not has_fp16_weights(draft) and has_fp16_weights(follow_weights(draft, target))
+    plain = noisy_copy(copy.deepcopy(target), 0.02)
+    assert not has_fp16_weights(follow_weights(plain, make_tiny_llama(seed=3, dtype=torch.float32)))
 
 
 def _compact_export(tmp_path, target):
@@ -117,6 +137,22 @@ def test_draft_lm_loads_with_a_bf16_target(tmp_path):
     other = make_tiny_llama(seed=5, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="another target's embeddings"):
         load_draft_model(path, other)
+
+
+def test_draft_lm_loads_with_a_float16_weight_target_whose_output_layer_is_tied(tmp_path):
+    """``--dtype float16`` on a CPU rounds a tied output layer into a copy of its own: the embeddings keep their
+    values, so the compact export's embedding check passes (rounding the shared table to float16 and then to bf16 can
+    cross a bf16 rounding boundary)."""
+    from ssd_eagle.models.draft_lm import load_draft_model
+    from ssd_eagle.packed_linear import has_fp16_weights, round_linears_to_fp16
+
+    target = make_tiny_llama(seed=2, dtype=torch.float32, tie=True)
+    path = _compact_export(tmp_path, target)
+    rounded = copy.deepcopy(target)
+    round_linears_to_fp16(rounded)
+    draft = follow_weights(load_draft_model(path, rounded), rounded)
+    assert has_fp16_weights(draft)
+    assert torch.equal(draft.get_input_embeddings().weight, target.get_input_embeddings().weight)
 
 
 def test_a_legacy_float32_digest_is_checked_on_float32_and_explained_on_bf16(tmp_path):

@@ -1,7 +1,7 @@
-"""Pre-packed bf16 linear layers (:mod:`ssd_eagle.packed_linear`): the same results as ``F.linear`` up to bf16
-accumulation order, the plain path wherever autograd needs it, a repack when the weight changes, state dicts
-untouched, and the engine's greedy SD/SSD still equal to its AR up to near ties (tests/test_bf16.py runs with
-packing on and off)."""
+"""Pre-packed linear layers (:mod:`ssd_eagle.packed_linear`), bf16 (oneDNN) and float32 weights with float16 values
+(FBGEMM): the same results as ``F.linear`` up to summation order, the plain path wherever autograd needs it, a
+repack when the weight changes, state dicts untouched, and the engine's greedy SD/SSD still equal to its AR up to
+near ties (tests/test_bf16.py runs with packing on and off, and in float16 weights)."""
 
 from __future__ import annotations
 
@@ -16,24 +16,22 @@ import torch.nn.functional as F
 from torch import nn
 
 from helpers import make_tiny_llama
-from ssd_eagle.packed_linear import PackedForward, pack_linears, unpack_linears
+from ssd_eagle.packed_linear import (PackedForward, fp16_packing_available, has_fp16_weights, pack_linears,
+                                     packing_available, round_linears_to_fp16, unpack_linears)
 
-
-def _ops_present() -> bool:
-    try:
-        torch.ops.mkldnn._reorder_linear_weight, torch.ops.mkldnn._linear_pointwise  # noqa: B018
-        return torch.backends.mkldnn.is_available()
-    except (AttributeError, RuntimeError):
-        return False
-
-
-pytestmark = pytest.mark.skipif(not _ops_present(), reason="torch built without oneDNN's packed-linear ops")
+BF16_HERE = packing_available()  # (read before any test monkeypatches it)
+needs_bf16_packing = pytest.mark.skipif(
+    not BF16_HERE, reason="bf16 packing needs oneDNN's packed-linear ops and a CPU with native bf16 (oneDNN's bf16 "
+                          "reorder refuses an AVX2-only CPU)")
+needs_fp16_packing = pytest.mark.skipif(not fp16_packing_available(),
+                                        reason="fp16 packing needs FBGEMM (x86-64 torch builds) and AVX2")
 
 
 def close_in_bf16(a: torch.Tensor, b: torch.Tensor) -> None:
     torch.testing.assert_close(a.float(), b.float(), rtol=2e-2, atol=2e-2)
 
 
+@needs_bf16_packing
 @pytest.mark.parametrize("shape", [(1, 48), (6, 48), (2, 5, 48), (40, 48)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_a_packed_layer_computes_what_f_linear_computes(shape, bias):
@@ -48,6 +46,7 @@ def test_a_packed_layer_computes_what_f_linear_computes(shape, bias):
     assert list(layer.state_dict()) == (["weight", "bias"] if bias else ["weight"])
 
 
+@needs_bf16_packing
 def test_training_and_other_dtypes_take_the_plain_path_and_a_changed_weight_is_repacked():
     torch.manual_seed(1)
     layer = nn.Linear(32, 16).to(torch.bfloat16)
@@ -73,10 +72,11 @@ def test_training_and_other_dtypes_take_the_plain_path_and_a_changed_weight_is_r
     pack_linears(made_there)
     with torch.no_grad():
         close_in_bf16(made_there(x), F.linear(x, made_there.weight, made_there.bias))
-    float_layer = nn.Linear(8, 8)
+    float_layer = nn.Linear(8, 8)  # float32 values that float16 cannot hold: nothing to pack
     assert pack_linears(float_layer) == 0 and "forward" not in float_layer.__dict__
 
 
+@needs_bf16_packing
 def test_a_packed_model_decodes_like_the_plain_one_and_unpacks():
     model = make_tiny_llama(seed=3, dtype=torch.bfloat16, init_std=0.1)
     ids = torch.randint(3, 257, (1, 20), generator=torch.Generator().manual_seed(0))
@@ -92,6 +92,7 @@ def test_a_packed_model_decodes_like_the_plain_one_and_unpacks():
         assert torch.equal(model(ids).logits, want)
 
 
+@needs_bf16_packing
 def test_review_findings_dtype_change_compile_cycle_and_a_trainable_bias():
     """Found by a reviewer: a packed model moved to another dtype crashed (float64) or ran a float32 packed copy;
     a runner that compiles left an earlier runner's packing in place (inductor cannot trace the packed kernel); the
@@ -127,3 +128,112 @@ def test_review_findings_dtype_change_compile_cycle_and_a_trainable_bias():
     pack_linears(layer)
     layer(torch.randn(2, 16).bfloat16()).float().sum().backward()
     assert layer.bias.grad is not None
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# float32 weights with float16 values (FBGEMM)
+
+def close_in_fp32(a: torch.Tensor, b: torch.Tensor) -> None:
+    torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)  # float32 sums in another order
+
+
+@needs_fp16_packing
+@pytest.mark.parametrize("shape", [(1, 48), (6, 48), (2, 5, 48), (40, 48), (0, 48)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_a_float16_valued_layer_runs_fbgemm_and_computes_what_f_linear_computes(shape, bias):
+    torch.manual_seed(0)
+    layer = nn.Linear(48, 96, bias=bias).requires_grad_(False)
+    assert pack_linears(layer) == 0  # float32 values: not packed, exact F.linear
+    assert round_linears_to_fp16(layer) == 1 and has_fp16_weights(layer)
+    assert torch.equal(layer.weight, layer.weight.half().float())
+    x = torch.randn(*shape)
+    want = F.linear(x, layer.weight, layer.bias)
+    assert pack_linears(layer) == 1
+    got = layer(x)
+    assert got.shape == want.shape and got.dtype == torch.float32
+    close_in_fp32(got, want)
+    if x.numel():
+        assert layer.forward.packed is not None
+        wide = torch.randn(shape[0], 96)[..., ::2]  # a strided input
+        close_in_fp32(layer(wide), F.linear(wide, layer.weight, layer.bias))
+    assert list(layer.state_dict()) == (["weight", "bias"] if bias else ["weight"])
+
+
+@needs_fp16_packing
+def test_a_float16_valued_weight_written_with_float32_values_takes_the_plain_path_again():
+    torch.manual_seed(2)
+    layer = nn.Linear(32, 16, bias=False)
+    round_linears_to_fp16(layer)
+    pack_linears(layer)
+    x = torch.randn(3, 32)
+    out = layer(x)  # the weight requires grad: autograd's F.linear
+    assert torch.equal(out, F.linear(x, layer.weight)) and layer.forward.packed is None
+    out.sum().backward()
+    with torch.no_grad():
+        close_in_fp32(layer(x), F.linear(x, layer.weight))
+        assert layer.forward.packed is not None
+        layer.weight.add_(1e-4)  # float32 values now: the next call finds them and runs F.linear
+        assert torch.equal(layer(x), F.linear(x, layer.weight)) and layer.forward.packed is None
+        assert not has_fp16_weights(layer)
+        layer.weight.copy_(layer.weight.half())  # float16 values again (an in-place write: repacked)
+        close_in_fp32(layer(x), F.linear(x, layer.weight))
+        assert layer.forward.packed is not None
+        assert torch.equal(layer.double()(x.double()), F.linear(x.double(), layer.weight))  # float64: plain path
+    unpack_linears(layer)
+    assert "forward" not in layer.__dict__
+
+
+def test_rounding_to_float16_values_covers_tied_layers_and_refuses_what_float16_cannot_hold():
+    model = make_tiny_llama(seed=4, dtype=torch.float32, init_std=0.1, tie=True)
+    assert not has_fp16_weights(model)
+    table = model.model.embed_tokens.weight.detach().clone()
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    assert round_linears_to_fp16(model) == 4 * 7 + 1
+    assert has_fp16_weights(model)
+    # the tied output layer gets a rounded copy: the embeddings keep their float32 values (a draft LM's check of
+    # the target's embeddings hashes them)
+    assert torch.equal(model.model.embed_tokens.weight, table)
+    assert torch.equal(model.lm_head.weight, table.half().float())
+    norm = model.model.norm.weight
+    assert norm.dtype == torch.float32  # only linear weights are rounded
+    big = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    with torch.no_grad():
+        big[1].weight[0, 0] = 7e4
+    with pytest.raises(ValueError, match=r"1\.weight has values outside float16's range"):
+        round_linears_to_fp16(big)
+    assert not has_fp16_weights(nn.ReLU())
+
+
+@needs_fp16_packing
+def test_a_float16_weight_model_decodes_like_its_plain_self_through_the_runner():
+    from ssd_eagle.kv_cache import ForwardBatch
+    from ssd_eagle.model_runner import ModelRunner
+
+    model = make_tiny_llama(seed=3, dtype=torch.float32, init_std=0.1)
+    round_linears_to_fp16(model)
+    ids = torch.randint(3, 257, (1, 20), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want = model(ids).logits
+    runner = ModelRunner(model, 1, 64)
+    assert runner.packed_weights and runner.dtype == torch.float32
+    out = runner.forward(ForwardBatch.causal([ids[0].tolist()], [0], [0], runner.dtype, runner.device))
+    close_in_fp32(out.logits[0], want[0])
+    plain = ModelRunner(make_tiny_llama(seed=3, dtype=torch.float32, init_std=0.1), 1, 64)
+    assert not plain.packed_weights  # float32 values: the exact float32 path, nothing packed
+
+
+@needs_fp16_packing
+def test_load_model_float16_on_a_cpu_gives_float16_weights_and_float32_activations(tmp_path):
+    from helpers import make_byte_tokenizer
+    from ssd_eagle.assets import load_model
+    from ssd_eagle.platform import describe
+
+    make_tiny_llama(seed=1, dtype=torch.float32).save_pretrained(tmp_path)
+    make_byte_tokenizer().save_pretrained(tmp_path)
+    model, _ = load_model(str(tmp_path), dtype=torch.float16)
+    assert {p.dtype for p in model.parameters()} == {torch.float32} and has_fp16_weights(model)
+    plain, _ = load_model(str(tmp_path), dtype=torch.float32)
+    assert not has_fp16_weights(plain)
+    d = describe("cpu", torch.float16)
+    assert d["dtype"] == "float16" and d["activations"] == "float32" and d["packed_weights"]
+    assert describe("cpu", torch.float32)["activations"] == "float32"

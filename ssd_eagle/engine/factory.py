@@ -69,7 +69,7 @@ def load_draft(spec, target=None, *, target_config=None, dtype: torch.dtype | No
         embeddings = target.get_input_embeddings()
     if spec.method == "draft_model":
         if target is not None:
-            return load_draft_model(spec.model, target)
+            return follow_weights(load_draft_model(spec.model, target), target)
         if is_compact_draft_lm(spec.model):
             raise ValueError(f"{spec.model} is a compact draft LM: it needs the whole target (embedding and output "
                              f"layer); export a plain folder for a speculator rank")
@@ -89,8 +89,19 @@ def load_draft(spec, target=None, *, target_config=None, dtype: torch.dtype | No
             embeddings = nn.Embedding.from_pretrained(embeddings, freeze=True)
         head.set_embeddings(embeddings)
         warn_saguaro_mismatch(head, spec)
-        return head
+        return follow_weights(head, target)
     raise ValueError(f"speculative method {spec.method!r} has no draft module (draft_model or eagle3 have one)")
+
+
+def follow_weights(draft: nn.Module, target: nn.Module | None) -> nn.Module:
+    """``draft`` with its linear weights rounded to float16 values where ``target``'s are (``--dtype float16`` on a
+    CPU, :func:`~ssd_eagle.assets.load_model`), so that drafting runs FBGEMM's fp16 kernels too
+    (:mod:`ssd_eagle.packed_linear`); otherwise unchanged. A draft's precision does not touch losslessness."""
+    from ssd_eagle.packed_linear import has_fp16_weights, round_linears_to_fp16
+
+    if target is not None and has_fp16_weights(target):
+        round_linears_to_fp16(draft)
+    return draft
 
 
 def eagle3_aux_layer_ids(path: str, target_config) -> tuple[int, ...]:
