@@ -15,7 +15,7 @@ removes by packing each weight once:
   tokens cost 2.2x a decode step. FBGEMM's fp16 GEMM (``torch.ops.quantized.linear_prepack_fp16`` /
   ``linear_dynamic_fp16``, what ``torch.ao`` dynamic fp16 quantization runs) keeps the weight in fp16 (half the
   bytes) and computes in float32 with kernels made for few rows: SmolLM2-135M step (200-token context, one
-  thread, same Zen 3, same run) 1 token 57.3 -> 38.4 ms, 6 tokens 118.3 -> 55.2 ms. The weight's values are used
+  thread, same Zen 3, same run, ``scripts/bench_forward.py``) 1 token 56.7 -> 42.5 ms, 6 tokens 114.6 -> 58.3 ms. The weight's values are used
   exactly and sums run in float32, so a packed layer computes what ``F.linear`` computes up to float32 summation
   order: this path needs no opt-in. ``--dtype float16`` on a CPU (:func:`~ssd_eagle.assets.load_model`) rounds a
   float32 model's linear weights to float16 values (:func:`round_linears_to_fp16`) so that all of them take it.

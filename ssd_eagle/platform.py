@@ -16,7 +16,7 @@ needs), while without it bf16 only loses time.
 
 ``float16`` on a CPU means float16 *weights* with float32 activations (:func:`~ssd_eagle.assets.load_model`), run by
 FBGEMM's fp16 kernels (:mod:`ssd_eagle.packed_linear`): on an AVX2-only CPU the fastest choice (an AMD EPYC Zen 3
-decode step 57 -> 38 ms, a 6-token verification 118 -> 55 ms), and closer to float32 than bf16 (weights rounded to
+decode step 56.7 -> 42.5 ms, a 6-token verification 114.6 -> 58.3 ms), and closer to float32 than bf16 (weights rounded to
 11 significant bits instead of 8). ``auto`` does not pick it: rounding the weights changes the target, so float32
 stays the exact default there. Every consumer of the target (EAGLE-3 heads, draft LMs, the SSD
 speculator process, draft trees, the server) follows the target's dtype, so this is decided once, here.
