@@ -8,6 +8,8 @@
 #   bash scripts/gpu_check.sh                 # a CUDA machine: about 5 minutes, never more than GPU_CHECK_BUDGET
 #   DEVICE=cpu bash scripts/gpu_check.sh      # the same steps on CPU at tiny sizes (the script's plumbing)
 #   WHEELS=dir bash scripts/gpu_check.sh      # first install missing Python packages from a folder of wheels
+#                                             (an image without pydantic: pydantic, pydantic-core, annotated-types,
+#                                             typing-inspection, typing-extensions)
 #
 # Every step runs under its own `timeout` (capped by what is left of GPU_CHECK_BUDGET seconds, default 540), so the
 # script always ends with its summary: PASS / FAIL / TIMEOUT / SKIP per step and the tokens/s table. Exit status:

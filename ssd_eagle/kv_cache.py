@@ -6,7 +6,8 @@ cache serves prefill, batched chain verification with ragged lengths, draft tree
 tokens is just lowering the sequence's length (positions past it are dead and get overwritten), and keeping a
 tree path is a gather of its positions (:meth:`KVCache.compact`).
 
-The cache is handed to a transformers model as its ``cache`` argument; transformers' attention layers call
+The cache is handed to a transformers model as its ``cache`` argument (``past_key_values`` before transformers 5.25:
+:func:`cache_kwarg` names the one the installed version takes); transformers' attention layers call
 :meth:`KVCache.update` with the new keys/values of one layer and attend over what it returns (this is the only
 method of ``transformers.Cache`` that Llama-family attention uses). No modeling code is copied.
 """
@@ -15,11 +16,19 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import inspect
 from dataclasses import dataclass
 
 import torch
 
 TRIM_BYTES = 64 * 2**20  # a CPU store shrinking by this much hands its freed heap back to the OS
+
+
+def cache_kwarg(forward) -> str:
+    """The keyword under which ``forward`` (a transformers model's or attention layer's) takes its cache:
+    ``"cache"`` from transformers 5.25 on, ``"past_key_values"`` before. Passing the wrong one is silent: the
+    layer puts it in ``**kwargs`` and attends over the new keys alone (found on transformers 5.17)."""
+    return "cache" if "cache" in inspect.signature(forward).parameters else "past_key_values"
 
 
 def bytes_per_position(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:

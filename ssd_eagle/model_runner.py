@@ -21,7 +21,6 @@ not pay for the padding (attention over the padded length was most of a regenera
 from __future__ import annotations
 
 import functools
-import inspect
 from dataclasses import dataclass
 
 import torch
@@ -30,7 +29,7 @@ from transformers import AttentionInterface, AttentionMaskInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import sdpa_mask
 
-from ssd_eagle.kv_cache import ForwardBatch, KVCache
+from ssd_eagle.kv_cache import ForwardBatch, KVCache, cache_kwarg
 from ssd_eagle.packed_linear import has_fp16_weights, pack_linears, packs_on, unpack_linears
 from ssd_eagle.sampling import upcast_logits
 
@@ -156,8 +155,7 @@ class ModelRunner:
             else cfg.num_key_value_heads
         self.kv = KVCache(self.num_layers, num_slots, kv_heads, head_dim, max_len, self.dtype, self.device,
                           initial_capacity)
-        self._cache_kwarg = "cache" if "cache" in inspect.signature(self.body.forward).parameters \
-            else "past_key_values"
+        self._cache_kwarg = cache_kwarg(self.body.forward)
         self.aux_layer_ids = tuple(aux_layer_ids) if aux_layer_ids is not None else None
         self._captured: dict[int, torch.Tensor] | None = None
         if self.aux_layer_ids is not None:

@@ -100,7 +100,7 @@ def noisy_copy(model, scale: float, seed: int = 1):
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for p in draft.parameters():
-            p.add_(torch.randn(p.shape, generator=g, dtype=p.dtype) * scale * p.std())
+            p.add_(torch.randn(p.shape, generator=g, dtype=p.dtype).to(p.device) * scale * p.std())
     return draft
 
 

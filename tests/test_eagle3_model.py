@@ -8,7 +8,7 @@ import torch
 from torch import nn
 from transformers import LlamaConfig
 
-from ssd_eagle.kv_cache import ForwardBatch, KVCache
+from ssd_eagle.kv_cache import ForwardBatch, KVCache, cache_kwarg
 from ssd_eagle.model_runner import default_aux_layer_ids
 from ssd_eagle.models.eagle3 import (
     Eagle3Config,
@@ -249,6 +249,28 @@ def test_owned_embeddings_are_frozen_and_replaced_by_shared():
     assert model.num_parameters(trainable_only=True) == model.num_parameters() - VOCAB * H
     model.set_embeddings(emb)
     assert "embed_tokens.weight" not in model.state_dict()
+
+
+def test_moving_the_head_away_from_a_shared_table_copies_it():
+    """A GPU target's table with the head in a CPU speculator (found on an H200: index_select across devices): the
+    head's ``.to()`` gives it a frozen copy on its device; the target's table stays where it is."""
+    model, emb = make_head(target_hidden=H)
+    model.to(torch.float32)  # a dtype change on the same device: still the target's own table
+    assert model._shared_embeddings is emb
+    model.to("meta")
+    table = model._shared_embeddings
+    assert table is not emb and table.weight.device.type == "meta" and not table.weight.requires_grad
+    assert emb.weight.device.type == "cpu" and "embed_tokens.weight" not in model.state_dict()
+
+
+def test_cache_keyword_follows_the_installed_transformers():
+    """transformers 5.25 renamed the layers' ``past_key_values`` to ``cache``; an older one puts ``cache=`` in its
+    ``**kwargs`` and attends over the new keys alone (the head's drafts broke silently on transformers 5.17)."""
+    def new(hidden_states, attention_mask=None, cache=None, **kwargs): ...
+    def old(hidden_states, attention_mask=None, past_key_values=None, **kwargs): ...
+    assert cache_kwarg(new) == "cache" and cache_kwarg(old) == "past_key_values"
+    model, _ = make_head(target_hidden=H)
+    assert model.midlayer._cache_kwarg == cache_kwarg(model.midlayer.self_attn.forward)
 
 
 def test_missing_embeddings_raise():

@@ -261,6 +261,7 @@ class Eagle3Backend(DraftBackend):
 
     def __init__(self, head, num_slots: int, max_len: int, fixed_shapes: bool = True):
         self.head = head.eval()
+        head.follow_device()
         cfg = head.config
         param = head.lm_head.weight
         self.dtype, self.device = param.dtype, param.device

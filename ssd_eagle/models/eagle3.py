@@ -31,6 +31,7 @@ from transformers.models.llama.modeling_llama import (
     LlamaRotaryEmbedding,
 )
 
+from ssd_eagle.kv_cache import cache_kwarg
 from ssd_eagle.models.eagle3_config import Eagle3Config
 from ssd_eagle.sampling import upcast_logits
 
@@ -110,6 +111,7 @@ class Eagle3MidLayer(nn.Module):
         super().__init__()
         h, hd = config.hidden_size, config.head_dim
         self.self_attn = LlamaAttention(config, layer_idx=0)
+        self._cache_kwarg = cache_kwarg(self.self_attn.forward)
         # the attention input is concat(input_layernorm(embeds), hidden_norm(h)): 2H wide. LlamaAttention.forward
         # only uses hidden_states.shape[:-1], so widening the projections is all that is needed.
         bias = config.attention_bias
@@ -127,7 +129,7 @@ class Eagle3MidLayer(nn.Module):
         residual = hidden
         x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)
         attn_out, _ = self.self_attn(x, position_embeddings=position_embeddings, attention_mask=attention_mask,
-                                     cache=cache)
+                                     **{self._cache_kwarg: cache})
         h = residual + attn_out
         return h + self.mlp(self.post_attention_layernorm(h))
 
@@ -208,6 +210,20 @@ class Eagle3DraftModel(nn.Module):
             return
         self.embed_tokens = None
         object.__setattr__(self, "_shared_embeddings", embeddings)
+
+    def follow_device(self) -> None:
+        """Keep the token embeddings on the head's device. A shared table on another device (the target on a GPU,
+        this head in an SSD speculator on the CPU) is replaced by a frozen, unregistered copy on the head's device;
+        the target keeps its own. Called by ``.to()``/``.cuda()`` (``_apply``) and by the draft backends."""
+        shared, device = self._shared_embeddings, self.lm_head.weight.device
+        if shared is not None and shared.weight.device != device:
+            copy = nn.Embedding.from_pretrained(shared.weight.detach().to(device), freeze=True)
+            object.__setattr__(self, "_shared_embeddings", copy)
+
+    def _apply(self, fn, recurse: bool = True):
+        super()._apply(fn, recurse)
+        self.follow_device()
+        return self
 
     @torch.no_grad()
     def project_target_embeddings(self, target_weight: torch.Tensor) -> None:

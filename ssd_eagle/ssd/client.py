@@ -301,7 +301,8 @@ class SSDDrafter(Drafter):
     def _add(self, seq, start: int, tokens: list[int], aux, done: bool) -> None:
         if not self.healthy:
             return
-        seed = int(torch.randint(0, 2**62, (1,), generator=seq.draft_generator)) if start == 0 else 0
+        gen = seq.draft_generator
+        seed = int(torch.randint(0, 2**62, (1,), generator=gen, device=gen.device)) if start == 0 else 0
         try:
             self.speculator.add(p.NewSequence(seq.slot, tokens, seq.params, seed, aux, start, done))
             self._registered.add(seq.request_id)

@@ -97,11 +97,11 @@ def test_draft_step_graph_replay_equals_eager(kind):
     assert graphed.static is not None and graphed.static.use_graphs
     gen = torch.Generator().manual_seed(0)
     H = graphed.hidden_size
+    auxes = [torch.randn(19, 3 * target.config.hidden_size, generator=gen, dtype=torch.float64).cuda() if H else None
+             for _ in range(3)]  # (the same prompt states for both backends)
     for b in (eager, graphed):
         for slot in range(3):
-            aux = torch.randn(19, 3 * target.config.hidden_size, generator=gen, dtype=torch.float64) \
-                if H else None
-            b.prefill(slot, list(range(10 + slot, 30 + slot)), aux.cuda() if aux is not None else None)
+            b.prefill(slot, list(range(10 + slot, 30 + slot)), auxes[slot])
     kept = []
     for step in range(3):  # the same (bucket 4, width 4) each time: one capture, then replays
         slots, n = [0, 0, 2], 4
