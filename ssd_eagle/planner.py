@@ -242,6 +242,11 @@ class PlannerConfig:
         off_margin: speculation is switched off only where plain decoding's expected rate beats the best draft
             length's by this share (near a tie the engine keeps speculating, and needs no probes to come back;
             a small share of the 3% the planner may lose to AR).
+        warm_rounds: the drafter's first this-many drafting rounds are not learnt as drafting cost (one-off
+            warm-up). :func:`planner_for` sets 3 for SSD: an SSD tree's first three rounds made the verifier wait
+            36, 101 and 74 ms (an AVX2 EPYC, float16), its later hits 1.3 ms; learnt, they made its rounds look
+            43 ms dearer, and it was switched off after its fifth drafted round for the rest of the prompt, since
+            a request that does not speculate teaches no new drafting cost.
         min_cost_rounds: drafting counts as free until its cost was learnt from this many rounds (faded count;
             :func:`planner_for` sets 3.5, four rounds, for SSD: the verifier's first waits for a speculator include
             its warm-up and an empty cache, 34 ms against ~3 ms later for an SSD tree, and one such round switched
@@ -276,6 +281,7 @@ class PlannerConfig:
     probe_k: int = 2
     learn_costs: bool = True
     off_margin: float = 0.01
+    warm_rounds: int = 1
     min_cost_rounds: float = 0.0
     explore_every: int = 8
     max_explore_every: int = 64
@@ -296,7 +302,7 @@ class Planner:
         self.config = config
         self.costs = costs
         self.draft_cost = OnlineLine()  # seconds of drafting for a round vs its draft length
-        self.drafter_warm = False  # the drafter's first drafting round (one-off warm-up) is not learnt
+        self.warm_rounds_left = config.warm_rounds  # the drafter's warm-up rounds, not learnt
         self.probing = False  # the planned round is a probe (its drafting time is not learnt)
         self.verify_scale = 1.0  # measured verify time / table prediction (EMA)
         self.catch_up_cost = 0.0  # seconds a drafter spends catching up on the rounds it skipped (EMA over probes)
@@ -399,7 +405,7 @@ class Planner:
         """A restarted drafter (a respawned SSD speculator): forget the drafting cost learnt from the old one, whose
         last rounds waited on a dead or hung process, and probe every request again soon (acceptance is kept: the
         draft model is the same)."""
-        self.draft_cost, self.drafter_warm = OnlineLine(), False
+        self.draft_cost, self.warm_rounds_left = OnlineLine(), self.config.warm_rounds
         self.probe_interval.clear()
         self.idle_rounds.clear()
 
@@ -441,9 +447,10 @@ class Planner:
         longest = max(n for n, _ in drafted.values())
         if longest and self.config.tree_nodes:  # a tree grows all its levels whatever depth its best nodes reach
             longest = self.config.max_k
-        if longest and self.drafter_warm and not probe:
+        if longest and not self.warm_rounds_left and not probe:
             self.draft_cost.update(longest, draft_seconds)
-        self.drafter_warm |= longest > 0
+        if longest:
+            self.warm_rounds_left = max(self.warm_rounds_left - 1, 0)
         predicted = self.costs.verify_time(width, len(drafted))
         if predicted > 0 and math.isfinite(verify_seconds):
             self.verify_scale = 0.9 * self.verify_scale + 0.1 * (verify_seconds / predicted)
@@ -511,4 +518,5 @@ def planner_for(engine, spec) -> Planner | None:
     costs = measure_verify_costs(engine.target, spec.max_draft_tokens + 1, engine.max_num_seqs)
     choose_k = "num_speculative_tokens" not in spec.model_fields_set
     return Planner(PlannerConfig(max_k=k, choose_k=choose_k, tree_nodes=tree.budget if tree else 0,
-                                 min_cost_rounds=3.5 if mode == "ssd" else 0.0, min_rounds=MIN_ROUNDS), costs)
+                                 warm_rounds=3 if mode == "ssd" else 1, min_cost_rounds=3.5 if mode == "ssd" else 0.0,
+                                 min_rounds=MIN_ROUNDS), costs)

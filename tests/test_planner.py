@@ -10,8 +10,8 @@ from ssd_eagle.drafters.base import Drafter, Proposal
 from ssd_eagle.engine.llm import LLM
 from ssd_eagle.engine.llm_engine import LLMEngine
 from ssd_eagle.sampling_params import SamplingParams
-from ssd_eagle.planner import (Acceptance, CostTable, OnlineLine, Planner, PlannerConfig, expected_tokens,
-                               measure_verify_costs)
+from ssd_eagle.planner import (MIN_ROUNDS, Acceptance, CostTable, OnlineLine, Planner, PlannerConfig,
+                               expected_tokens, measure_verify_costs)
 
 
 def planner_with(verify: list[float], rate: float, max_k: int = 5, rounds: int = 200, **kw) -> Planner:
@@ -106,6 +106,27 @@ def test_the_drafters_first_round_and_probes_teach_acceptance_but_not_the_drafti
     assert planner.round_time(4, 1) == pytest.approx(1.015)
     acceptance = planner.acceptance["r"]
     assert acceptance.tried[0] == pytest.approx(1 + 0.9 * (1 + 0.9)) and acceptance.accepted[3] == 1
+
+
+def test_an_ssd_speculators_cold_rounds_do_not_switch_a_paying_tree_off():
+    """The verifier's waits of an SSD tree's first rounds on an AVX2 EPYC in float16 (36, 101 and 74 ms: the first
+    request's prompt and cold builds; then ~1.3 ms on hits and ~30 ms on misses), with its accepted paths: learnt as
+    drafting cost after one warm-up round, they switched the tree off after its fifth round, for good (a request that
+    does not speculate teaches no new cost); SSD's three warm-up rounds (planner_for) keep it on."""
+    waits = [0.0365, 0.1014, 0.0745] + [0.0013, 0.0013, 0.03] * 6
+    paths = [1, 0, 1, 2, 0, 1] * 4
+    table = CostTable({1: [0.050, 0.054, 0.059, 0.059, 0.061, 0.070, 0.080]})
+    for warm_rounds, expected_off in ((1, True), (3, False)):
+        planner = Planner(PlannerConfig(max_k=5, tree_nodes=6, warm_rounds=warm_rounds, min_cost_rounds=3.5,
+                                        min_rounds=MIN_ROUNDS), table)
+        ks = []
+        for wait, accepted in zip(waits, paths):
+            k = planner.choose(["r"])["r"]
+            ks.append(k)
+            planner.observe({"r": (k, accepted if k else 0)}, wait if k else 0.0, 0.080 if k else 0.050, 7 if k else 1)
+        assert (0 in ks[5:]) == expected_off, ks
+        if not expected_off:
+            assert planner.draft_cost.predict(5) == pytest.approx(0.011, abs=0.002)  # the mean wait past warm-up
 
 
 def test_a_drafter_that_never_matches_ends_in_plain_decoding_and_a_probe_brings_a_good_one_back():
@@ -469,6 +490,7 @@ def test_planner_for_plans_ssd_chains_as_sd_and_not_an_in_line_speculator(byte_t
     planner = planner_for(engine, spec)
     assert planner is not None and planner.config.choose_k and planner.config.max_k == 5
     assert planner.config.min_cost_rounds == 3.5  # (an SSD wait is learnt from four rounds: PlannerConfig)
+    assert planner.config.warm_rounds == 3  # (after three warm-up rounds)
     explicit = SpeculativeConfig(method="draft_model", model="d", num_speculative_tokens=5)
     assert not planner_for(engine, explicit).config.choose_k
     engine.drafter = SimpleNamespace(mode="ssd", speculator=LocalSpeculator.__new__(LocalSpeculator))
