@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from helpers import make_tiny_llama, random_prompts, reference_greedy
 from ssd_eagle.drafters import NgramDrafter
@@ -261,6 +262,28 @@ def test_measure_verify_costs_on_a_tiny_model_is_cached(tmp_path, monkeypatch):
     files = list((tmp_path / "ssd_eagle" / "costs").glob("*.json"))
     assert len(files) == 1 and table.key in files[0].name
     assert measure_verify_costs(runner, max_new=3, max_batch=2, context=16) == table  # read back, not re-timed
+
+
+def test_a_disturbance_spanning_a_whole_n_does_not_reach_the_table(monkeypatch):
+    """A runner slowed by 50 ms a forward for eight forwards in a row (other work on the machine), on a clock the
+    forwards advance (2 ms a new token): timed n after n, those eight are every timing of n = 6 and 7; timed in
+    passes over every n, the least of three passes drops them."""
+    from types import SimpleNamespace
+
+    import ssd_eagle.planner as planner_module
+
+    clock = SimpleNamespace(now=0.0, calls=0)
+    monkeypatch.setattr(planner_module, "time", SimpleNamespace(perf_counter=lambda: clock.now))
+
+    def forward(batch, **_):
+        clock.calls += 1
+        clock.now += 0.002 * batch.input_ids.shape[1] + (0.05 if 22 <= clock.calls <= 29 else 0.0)
+
+    runner = SimpleNamespace(forward=forward, model=make_tiny_llama(), kv=SimpleNamespace(max_len=256),
+                             dtype=torch.float32, device=torch.device("cpu"))
+    table = measure_verify_costs(runner, max_new=7, max_batch=1, context=16, repeats=3, cache=False)
+    assert clock.calls == 1 + 4 * 7  # (the prefix, then a warm-up pass and three timed passes)
+    assert table.verify[1] == pytest.approx([0.002 * n for n in range(1, 8)])
 
 
 class WrongDrafter(Drafter):
