@@ -263,6 +263,24 @@ def test_moving_the_head_away_from_a_shared_table_copies_it():
     assert emb.weight.device.type == "cpu" and "embed_tokens.weight" not in model.state_dict()
 
 
+def test_cached_drafting_under_the_pre_5_25_cache_keyword(monkeypatch):
+    """The cached-vs-uncached check with ``LlamaAttention`` as transformers before 5.25 has it: the cache comes as
+    ``past_key_values`` and a ``cache=`` keyword is ignored (the head's drafts broke so on transformers 5.17)."""
+    from transformers.models.llama.modeling_llama import LlamaAttention
+
+    real = LlamaAttention.forward
+
+    def old_style(self, hidden_states, position_embeddings=None, attention_mask=None, past_key_values=None,
+                  **kwargs):
+        kwargs.pop("cache", None)
+        return real(self, hidden_states, position_embeddings, attention_mask,
+                    **{cache_kwarg(real): past_key_values}, **kwargs)
+
+    monkeypatch.setattr(LlamaAttention, "forward", old_style)
+    assert make_head()[0].midlayer._cache_kwarg == "past_key_values"
+    test_cached_chain_drafting_equals_uncached_recomputation("sdpa")
+
+
 def test_cache_keyword_follows_the_installed_transformers():
     """transformers 5.25 renamed the layers' ``past_key_values`` to ``cache``; an older one puts ``cache=`` in its
     ``**kwargs`` and attends over the new keys alone (the head's drafts broke silently on transformers 5.17)."""
