@@ -9,8 +9,8 @@ repository's ``data/`` folder. The builders read nothing else, in particular no 
 runs later, in the scheduler, on every prompt (:func:`train.heldout.check_text`).
 
 Deterministic: files are walked in sorted order, every choice comes from ``random.Random`` seeded by a string of the
-run seed and the passage's path and offset, and a conversation's id is a hash of its prompt, so the same files give
-the same conversations, and a changed file changes only its own.
+run seed and the passage's path (relative to its root) and offset, and a conversation's id is a hash of its prompt,
+so the same files give the same conversations wherever they lie, and a changed file changes only its own.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import re
 import sysconfig
 import textwrap
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from train.regen.sources import Conversation, single_turn
@@ -75,7 +75,8 @@ TASKS: dict[str, dict[str, tuple[str, ...]]] = {
 
 @dataclass(frozen=True)
 class Passage:
-    """A piece of local text: ``kind`` in :data:`TASKS`, ``key`` = ``path:offset`` (stable across runs)."""
+    """A piece of local text: ``kind`` in :data:`TASKS`, ``key`` = ``path:offset``, the path relative to its root
+    after :func:`collect_passages` (stable across runs and machines)."""
 
     kind: str
     key: str
@@ -206,13 +207,16 @@ def collect_passages(roots: Iterable[Path] | None = None, excluded: Iterable[Pat
             streams.append(code_passages(root, excluded))
         for stream in streams:
             for p in stream:
-                rel = Path(p.key.rsplit(":", 1)[0]).relative_to(root)
+                path, offset = p.key.rsplit(":", 1)
+                rel = Path(path).relative_to(root)
                 top = rel.parts[0] if len(rel.parts) > 1 else ""
                 if per_package.get(top, 0) >= PER_PACKAGE or p.text in seen_text:
                     continue
                 per_package[top] = per_package.get(top, 0) + 1
                 seen_text.add(p.text)
-                out.append(p)
+                # (the key seeds the passage's task draw: an absolute path gave other tasks in another folder, and
+                # the builders' test drew 3 of the 5 tasks from pytest's numbered tmp folder in one CI run)
+                out.append(replace(p, key=f"{rel.as_posix()}:{offset}"))
     return out
 
 
