@@ -111,6 +111,46 @@ def test_eagle3_speculator_state_after_a_miss_equals_a_fresh_computation(target_
     assert fresh.propose([SpecRequest(0, -1, 0, K)])[0].tokens == proposed
 
 
+def test_a_build_after_a_miss_feeds_the_root_and_nodes_only_and_computes_their_logits(target_and_head,
+                                                                                     byte_tokenizer):
+    """The neural backup has already fed a missed row's committed tokens: the build's forward feeds only the root
+    (again) and the proposal's nodes, and computes logits at those positions only (before: the committed tokens a
+    second time, with logits everywhere)."""
+    target, head = target_and_head
+    engine = eagle_ssd_engine(target, head, byte_tokenizer, fanout=(20,), max_num_seqs=1)
+    speculator = engine.drafter.speculator.speculator
+    forward, proposal_forward = speculator.backend.forward, speculator._proposal_forward
+    fed = []  # per build forward: (row missed, committed tokens fed before the root, nodes) per row, logit positions
+    missed = {}
+
+    def recording(seqs):
+        fed.append([(missed[id(s)], len(s.token_ids) - 1 - s.num_cached, len(s.proposal.tokens)) for s in seqs])
+
+        def counting(batch, features, index=None):
+            fed[-1].append(batch.input_ids.shape[1] if index is None else index.shape[1])
+            return forward(batch, features, index)
+
+        speculator.backend.forward = counting
+        try:
+            return proposal_forward(seqs)
+        finally:
+            speculator.backend.forward = forward
+
+    build_rows = speculator._build_rows
+
+    def remembering(rows, start):
+        missed.update((id(seq), miss) for seq, miss in rows)
+        return build_rows(rows, start)
+
+    speculator._build_rows, speculator._proposal_forward = remembering, recording
+    engine.add_request("a", [7, 7, 1, 2, 3, 9], SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True))
+    while engine.has_unfinished():
+        engine.step()
+    after_miss = [row for *rows, width in fed for row in rows if row[0]]
+    assert len(after_miss) >= 2 and all(before_root == 0 for _, before_root, _ in after_miss)
+    assert all(width == 1 + max(n for *_, n in rows) for *rows, width in fed)
+
+
 @pytest.mark.parametrize("tree", [None, TreeSettings(6, K, 2)], ids=["chain", "tree"])
 def test_the_sd_drafter_and_the_speculator_backup_draft_alike(tree, target_and_head):
     """Both draft through the same backend and the same chain and tree functions: from the same committed text

@@ -334,6 +334,8 @@ class Speculator:
         out = draft_from_committed(self.backend, seqs, [s.num_cached for s in seqs], [s.pending for s in seqs],
                                    [budgets[i] for i in active], self.saguaro_miss, self.tree)
         self.stats.backup_forwards += self.backend.forwards - before
+        for seq in seqs:  # (the build's forward then feeds only the root again, not the committed text twice)
+            self._cached_to_root(seq)
         for i, draft in zip(active, out):
             drafts[i] = draft
         return drafts
@@ -382,10 +384,7 @@ class Speculator:
         node_logits, node_hidden, node_kv = self._proposal_forward(seqs)
         for seq in seqs:
             seq.fed = True
-        if self.backend.needs_aux:  # the committed tokens' keys now come from the target's features: final, except
-            for seq in seqs:        # the root's (fed again as the next chunk's first token)
-                seq.pending = seq.pending[len(seq.token_ids) - 1 - seq.num_cached:]
-                seq.num_cached = len(seq.token_ids) - 1
+            self._cached_to_root(seq)
         cap = self.budget.cap() if self.tree is not None else self.budget.cap(steps)
         per_row = None if cap is None else max(cap // len(rows), cap > 0)
         branches: list[list[dict]] = []
@@ -412,6 +411,14 @@ class Speculator:
                 self.budget.observe_build(fixed, n, self.backend.forwards - before, time.perf_counter() - start - fixed,
                                           complete)
 
+    def _cached_to_root(self, seq: _Seq) -> None:
+        """After a forward over the row's uncached committed tokens: all but the root (the last one) are cached for
+        good (EAGLE-3: their keys come from the target's features, final), so they leave ``pending``; the root is
+        fed again as the next chunk's first token, whose draft output the next forward needs."""
+        if self.backend.needs_aux:
+            seq.pending = seq.pending[len(seq.token_ids) - 1 - seq.num_cached:]
+        seq.num_cached = len(seq.token_ids) - 1
+
     def _proposal_forward(self, seqs: list[_Seq]):
         """One tree-masked forward per row over the uncached committed tokens (a chain ending at the root, the
         last committed token) and the proposal's nodes. Returns, per row, the draft logits [1 + T, D] and outputs
@@ -432,15 +439,21 @@ class Speculator:
                     hid = seq.pending[-1:].expand(m, -1)
                 feats.append(torch.cat([seq.pending, hid[:m]]))
         batch = ForwardBatch.tree(roots, nodes, parents, [s.slot for s in seqs], starts, b.dtype, b.device)
-        logits, hidden = b.forward(batch, b.pad_features(feats, batch.input_ids.shape[1]) if b.needs_aux else None)
+        # logits after the root and the nodes only (not after the other committed tokens: a catch-up chunk after
+        # planned-off rounds can be long), a row's short list padded with its last index
+        firsts = [len(seq.token_ids) - 1 - seq.num_cached for seq in seqs]  # the root's index in the chunk
+        counts = [1 + len(seq.proposal.tokens) for seq in seqs]
+        width = max(counts)
+        index = torch.tensor([[f + min(i, n - 1) for i in range(width)] for f, n in zip(firsts, counts)],
+                             device=b.device)
+        logits, hidden = b.forward(batch, b.pad_features(feats, batch.input_ids.shape[1]) if b.needs_aux else None,
+                                   index)
         out_logits, out_hidden, out_kv = [], [] if hidden is not None else None, []
-        for r, seq in enumerate(seqs):
-            first = len(seq.token_ids) - 1 - seq.num_cached  # the root's index in the chunk
-            idx = torch.arange(first, first + 1 + len(seq.proposal.tokens))
-            out_logits.append(logits[r, idx])
+        for r, (first, n) in enumerate(zip(firsts, counts)):
+            out_logits.append(logits[r, :n])
             if hidden is not None:
-                out_hidden.append(hidden[r, idx])
-            out_kv.append((starts[r] + idx).tolist())
+                out_hidden.append(hidden[r, first:first + n])
+            out_kv.append(list(range(starts[r] + first, starts[r] + first + n)))
         return out_logits, out_hidden, out_kv
 
     def _outcomes(self, seq: _Seq, logits: torch.Tensor, kv: list[int], missed: bool,
