@@ -425,9 +425,12 @@ class Speculator:
         after the root and after each node, and each of those positions in the cache."""
         b = self.backend
         roots, nodes, parents, starts, feats = [], [], [], [], []
+        firsts, counts = [], []  # per row: the root's index in the chunk; the root and the nodes
         for seq in seqs:
             chunk = seq.token_ids[seq.num_cached:]
             c = len(chunk)
+            firsts.append(c - 1)
+            counts.append(1 + len(seq.proposal.tokens))
             roots.append(chunk[0])
             nodes.append(chunk[1:] + seq.proposal.tokens)
             parents.append(list(range(c - 1)) + [p + c - 1 for p in seq.proposal.parent_list()])
@@ -441,8 +444,6 @@ class Speculator:
         batch = ForwardBatch.tree(roots, nodes, parents, [s.slot for s in seqs], starts, b.dtype, b.device)
         # logits after the root and the nodes only (not after the other committed tokens: a catch-up chunk after
         # planned-off rounds can be long), a row's short list padded with its last index
-        firsts = [len(seq.token_ids) - 1 - seq.num_cached for seq in seqs]  # the root's index in the chunk
-        counts = [1 + len(seq.proposal.tokens) for seq in seqs]
         width = max(counts)
         index = torch.tensor([[f + min(i, n - 1) for i in range(width)] for f, n in zip(firsts, counts)],
                              device=b.device)
