@@ -16,9 +16,10 @@ verifier's wait for the speculator (see :func:`planner_for`). A tree is planned 
 its nodes, and ``a_i`` is the chance that its accepted path reaches depth i (:class:`PlannerConfig`).
 
 Costs: :func:`measure_verify_costs` times ``V(n, B)`` for n = 1..N new tokens per batch-size bucket in a few
-forwards at start-up; the table is cached on disk per (model, dtype, threads and CPU affinity, torch version, code
-version) under :func:`ssd_eagle.assets.cache_dir`. The drafter's ``D(K)`` is learnt online from the rounds the
-engine runs (a least-squares line ``d0 + d1 * K`` with forgetting), as are corrections to ``V``.
+forwards at start-up, and :func:`measure_draft_costs` an SD neural drafter's ``D(K)`` for K = 1..N (one row); both
+are cached on disk per (model, dtype, threads and CPU affinity, torch version, code version) under
+:func:`ssd_eagle.assets.cache_dir`. The drafter's ``D(K)`` starts from that measure and is learnt online from the
+rounds the engine runs (a least-squares line ``d0 + d1 * K`` with forgetting), as are corrections to ``V``.
 """
 
 from __future__ import annotations
@@ -81,22 +82,44 @@ class CostTable:
         return cls({int(b): [float(x) for x in v] for b, v in raw["verify"].items()}, raw.get("key", ""))
 
 
-def cost_key(model, max_new: int, buckets: tuple[int, ...]) -> str:
+RUNNER_CODE = ("model_runner.py", "kv_cache.py", "packed_linear.py")  # what a target forward runs
+DRAFT_CODE = RUNNER_CODE + ("drafters/backends.py", "drafters/chain.py", "drafters/neural.py", "drafters/tree.py",
+                            "models/eagle3.py", "cuda_graphs.py")  # what an SD drafter's round runs
+
+
+def cost_key(model, *extent, code: tuple[str, ...] = RUNNER_CODE) -> str:
     """A digest of what a forward's cost depends on: the model's config and dtype, how many of its linear layers run
     packed (a float32 model with float16 weights runs FBGEMM's kernels, :mod:`ssd_eagle.packed_linear`), torch's
-    thread count and the CPU affinity of this process, the torch version, this project's runner code, and the
-    table's extent."""
+    thread count and the CPU affinity of this process, the torch version, this project's ``code`` (files under
+    ``ssd_eagle/``), and the table's ``extent``."""
     from ssd_eagle.packed_linear import PackedForward
 
     param = next(model.parameters())
     packed = sum(isinstance(m.__dict__.get("forward"), PackedForward) for m in model.modules())
-    code = b"".join((Path(__file__).parent / name).read_bytes()
-                    for name in ("model_runner.py", "kv_cache.py", "packed_linear.py"))
+    source = b"".join((Path(__file__).parent / name).read_bytes() for name in code)
     affinity = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
-    parts = [model.config.to_json_string(use_diff=False), str(param.dtype), f"packed {packed}", str(param.device),
-             str(torch.get_num_threads()), str(affinity), torch.__version__, hashlib.sha256(code).hexdigest(),
-             str(max_new), str(buckets)]
+    config = model.config.to_json_string(use_diff=False) if hasattr(model.config, "to_json_string") \
+        else repr(model.config)  # (an EAGLE-3 head's config is a dataclass)
+    parts = [config, str(param.dtype), f"packed {packed}", str(param.device), str(torch.get_num_threads()),
+             str(affinity), torch.__version__, hashlib.sha256(source).hexdigest(), *map(str, extent)]
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:24]
+
+
+def _cached(key: str, measure, encode, decode, cache: bool):
+    """``decode`` of the file ``cache_dir()/costs/<key>.json`` when ``cache`` and it exists, else ``measure()``,
+    written there atomically when ``cache``."""
+    from ssd_eagle.assets import cache_dir
+    from ssd_eagle.io import atomic_write
+
+    path = cache_dir() / "costs" / f"{key}.json"
+    if cache and path.exists():
+        return decode(path.read_text())
+    value = measure()
+    if cache:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with atomic_write(path) as tmp:
+            tmp.write_text(encode(value))
+    return value
 
 
 @torch.inference_mode()
@@ -116,37 +139,81 @@ def measure_verify_costs(runner, max_new: int, max_batch: int = 1, context: int 
     Returns:
         The :class:`CostTable`.
     """
-    from ssd_eagle.assets import cache_dir
     from ssd_eagle.kv_cache import ForwardBatch
 
     buckets = tuple(b for b in BATCH_BUCKETS if b < max_batch) + (max_batch,)
     context = max(1, min(context, runner.kv.max_len - max_new))  # a short max_model_len still fits the probe
     key = cost_key(runner.model, max_new, buckets)
-    path = cache_dir() / "costs" / f"{key}.json"
-    if cache and path.exists():
-        return CostTable.from_json(path.read_text())
-    verify: dict[int, list[float]] = {}
-    for b in buckets:
-        slots = list(range(b))
-        runner.forward(ForwardBatch.causal([[0] * context] * b, slots, [0] * b, runner.dtype, runner.device),
-                       logits_index=torch.zeros(b, 1, dtype=torch.long, device=runner.device))
-        batches = [ForwardBatch.causal([[0] * n] * b, slots, [context] * b, runner.dtype, runner.device)
-                   for n in range(1, max_new + 1)]
-        times = [[] for _ in batches]
-        for _ in range(repeats + 1):  # passes over every n: a disturbance of a few hundred ms spoils one pass's
-            for n, batch in enumerate(batches):  # entries, which the least drops, not every entry of a range of n
-                start = time.perf_counter()
-                runner.forward(batch)
-                times[n].append(time.perf_counter() - start)
-        verify[b] = [min(t[1:]) for t in times]
-    table = CostTable(verify, key)
-    if cache:
-        from ssd_eagle.io import atomic_write
 
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with atomic_write(path) as tmp:
-            tmp.write_text(table.to_json())
-    return table
+    def measure() -> CostTable:
+        verify: dict[int, list[float]] = {}
+        for b in buckets:
+            slots = list(range(b))
+            runner.forward(ForwardBatch.causal([[0] * context] * b, slots, [0] * b, runner.dtype, runner.device),
+                           logits_index=torch.zeros(b, 1, dtype=torch.long, device=runner.device))
+            batches = [ForwardBatch.causal([[0] * n] * b, slots, [context] * b, runner.dtype, runner.device)
+                       for n in range(1, max_new + 1)]
+            verify[b] = least_of_passes([lambda batch=batch: runner.forward(batch) for batch in batches], repeats)
+        return CostTable(verify, key)
+
+    return _cached(key, measure, CostTable.to_json, CostTable.from_json, cache)
+
+
+def least_of_passes(calls: list, repeats: int) -> list[float]:
+    """Seconds of each call: the least of ``repeats`` timed passes over all of them, after one warm-up pass. Passes
+    over every call, not call after call: a disturbance of a few hundred ms spoils one pass's entries, which the
+    least drops, not every entry of a range of calls."""
+    times = [[] for _ in calls]
+    for _ in range(repeats + 1):
+        for i, call in enumerate(calls):
+            start = time.perf_counter()
+            call()
+            times[i].append(time.perf_counter() - start)
+    return [min(t[1:]) for t in times]
+
+
+@torch.inference_mode()
+def measure_draft_costs(backend, max_k: int, tree=None, context: int = 128, repeats: int = 3,
+                        cache: bool = True) -> dict[int, float]:
+    """Seconds an SD round's drafting takes, ``{k: D(k)}`` for one row and k = 1..``max_k`` (a tree: only its
+    depth ``max_k``, the whole tree): what :meth:`~ssd_eagle.drafters.neural.NeuralDrafter.propose` runs after a
+    round that accepted one draft (:func:`~ssd_eagle.drafters.neural.draft_from_committed`: one extend over the two
+    new committed tokens, then the greedy chain or the tree), after a ``context``-token prefix, the least of
+    ``repeats`` passes (:func:`least_of_passes`). The planner starts its ``D(K)`` line from it, so that a request's
+    first rounds are planned at what drafting costs, not as if it were free: SmolLM2's 4-layer draft LM drafted
+    5 tokens (~31 ms) in the first round of every engine, 4 in the second (bf16, Intel Xeon with AMX).
+
+    Args:
+        backend: the drafter's :class:`~ssd_eagle.drafters.backends.DraftBackend`; its slot 0 is overwritten (call
+            this before any request is admitted).
+        tree: the drafter's :class:`~ssd_eagle.drafters.tree.TreeSettings`, or None for chains.
+        cache: read and write the result under ``cache_dir()/costs``, keyed by :func:`cost_key` of the draft model.
+
+    Returns:
+        ``{k: seconds}``.
+    """
+    from types import SimpleNamespace
+
+    from ssd_eagle.drafters.neural import draft_from_committed
+    from ssd_eagle.sampling_params import SamplingParams
+
+    context = max(2, min(context, backend.kv.max_len - max_k - 3))
+    ks = [max_k] if tree is not None else list(range(1, max_k + 1))
+    key = cost_key(backend.model, "draft", ks, tree, context, code=DRAFT_CODE)
+    seq = SimpleNamespace(slot=0, token_ids=[0] * (context + 2), params=SamplingParams(temperature=0.0),
+                          draft_generator=None)
+    features = torch.zeros(context + 2, backend.hidden_size, dtype=backend.dtype, device=backend.device) \
+        if backend.needs_aux else None
+
+    def measure() -> dict[int, float]:
+        first = backend.offset  # (an EAGLE-3 head caches the pair (f_{t-1}, x_t) from token position 1 on)
+        backend.write(0, seq.token_ids[first:context], 0, None if features is None else features[: context - first])
+        pending = [None if features is None else features[:2]]
+        calls = [lambda k=k: draft_from_committed(backend, [seq], [context], pending, [k], None, tree) for k in ks]
+        return dict(zip(ks, least_of_passes(calls, repeats)))
+
+    return _cached(key, measure, lambda costs: json.dumps({str(k): v for k, v in costs.items()}),
+                   lambda text: {int(k): float(v) for k, v in json.loads(text).items()}, cache)
 
 
 class OnlineLine:
@@ -298,10 +365,11 @@ class Planner:
     :class:`~ssd_eagle.stats.SpecStats` (the server's ``spec_stats``) and the engine's totals (``/metrics``).
     """
 
-    def __init__(self, config: PlannerConfig, costs: CostTable):
+    def __init__(self, config: PlannerConfig, costs: CostTable, draft_costs: dict[int, float] | None = None):
         self.config = config
         self.costs = costs
-        self.draft_cost = OnlineLine()  # seconds of drafting for a round vs its draft length
+        self.draft_costs = dict(draft_costs or {})  # {k: seconds} measured at start-up (measure_draft_costs)
+        self.draft_cost = self._measured_line()  # seconds of drafting for a round vs its draft length
         self.warm_rounds_left = config.warm_rounds  # the drafter's warm-up rounds, not learnt
         self.probing = False  # the planned round is a probe (its drafting time is not learnt)
         self.verify_scale = 1.0  # measured verify time / table prediction (EMA)
@@ -316,6 +384,13 @@ class Planner:
         self._plain_k = 0  # the last planned K before exploration
         self._since_explore = 0
         self._explore_interval = config.explore_every
+
+    def _measured_line(self) -> OnlineLine:
+        """The drafting-cost line as the start-up measure gives it (empty without one); rounds then update it."""
+        line = OnlineLine()
+        for k, seconds in sorted(self.draft_costs.items()):
+            line.update(k, seconds)
+        return line
 
     def round_time(self, k: int, batch: int) -> float:
         """Predicted seconds of a round drafting ``k`` tokens (a tree: ``k`` levels) for ``batch`` rows."""
@@ -405,7 +480,7 @@ class Planner:
         """A restarted drafter (a respawned SSD speculator): forget the drafting cost learnt from the old one, whose
         last rounds waited on a dead or hung process, and probe every request again soon (acceptance is kept: the
         draft model is the same)."""
-        self.draft_cost, self.warm_rounds_left = OnlineLine(), self.config.warm_rounds
+        self.draft_cost, self.warm_rounds_left = self._measured_line(), self.config.warm_rounds
         self.probe_interval.clear()
         self.idle_rounds.clear()
 
@@ -488,7 +563,8 @@ class Planner:
 def planner_for(engine, spec) -> Planner | None:
     """The planner of an engine built from a speculative config whose ``adaptive`` is on, on a single-device target
     (None otherwise: a tensor-parallel target, ``adaptive: false``). Measures (or reads back) the verify cost table,
-    so call it before any request is admitted.
+    and for an SD neural drafter its drafting costs (:func:`measure_draft_costs`), so call it before any request is
+    admitted.
 
     K in 0..K is the planner's to choose unless ``num_speculative_tokens`` was given explicitly (then only 0 or K),
     for SD and SSD alike; a tree (``tree_budget``) is planned on or off (:class:`PlannerConfig`), so that a tree
@@ -505,6 +581,7 @@ def planner_for(engine, spec) -> Planner | None:
     and debugging: its builds run on the verifier's time) is not planned, so that it runs exactly what its config
     says.
     """
+    from ssd_eagle.drafters.backends import DraftBackend
     from ssd_eagle.model_runner import ModelRunner
     from ssd_eagle.ssd.client import LocalSpeculator
 
@@ -516,7 +593,10 @@ def planner_for(engine, spec) -> Planner | None:
     tree = spec.tree_settings()
     k = tree.depth if tree is not None else spec.num_speculative_tokens
     costs = measure_verify_costs(engine.target, spec.max_draft_tokens + 1, engine.max_num_seqs)
+    backend = getattr(engine.drafter, "backend", None)  # (an SD neural drafter's; SSD's wait is learnt online)
+    draft_costs = measure_draft_costs(backend, k, tree) if mode == "sd" and isinstance(backend, DraftBackend) \
+        else None
     choose_k = "num_speculative_tokens" not in spec.model_fields_set
     return Planner(PlannerConfig(max_k=k, choose_k=choose_k, tree_nodes=tree.budget if tree else 0,
                                  warm_rounds=3 if mode == "ssd" else 1, min_cost_rounds=3.5 if mode == "ssd" else 0.0,
-                                 min_rounds=MIN_ROUNDS), costs)
+                                 min_rounds=MIN_ROUNDS), costs, draft_costs)

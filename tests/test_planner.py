@@ -5,14 +5,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import make_tiny_llama, random_prompts, reference_greedy
+from helpers import make_drafter, make_tiny_llama, random_prompts, reference_greedy
 from ssd_eagle.drafters import NgramDrafter
 from ssd_eagle.drafters.base import Drafter, Proposal
 from ssd_eagle.engine.llm import LLM
 from ssd_eagle.engine.llm_engine import LLMEngine
 from ssd_eagle.sampling_params import SamplingParams
 from ssd_eagle.planner import (MIN_ROUNDS, Acceptance, CostTable, OnlineLine, Planner, PlannerConfig,
-                               expected_tokens, measure_verify_costs)
+                               expected_tokens, measure_draft_costs, measure_verify_costs)
 
 
 def planner_with(verify: list[float], rate: float, max_k: int = 5, rounds: int = 200, **kw) -> Planner:
@@ -264,6 +264,39 @@ def test_measure_verify_costs_on_a_tiny_model_is_cached(tmp_path, monkeypatch):
     assert measure_verify_costs(runner, max_new=3, max_batch=2, context=16) == table  # read back, not re-timed
 
 
+
+@pytest.mark.parametrize("kind", ["draft_model", "eagle3", "eagle3_tree"])
+def test_measure_draft_costs_times_each_draft_length_once_and_is_cached(kind, tmp_path, monkeypatch):
+    """Chains: D(k) for k = 1..K, each > 0; a tree: its whole depth. Read back from the cache, not re-timed."""
+    from helpers import eagle3_head_for
+    from ssd_eagle.drafters import DraftModelDrafter
+    from ssd_eagle.drafters.eagle3 import Eagle3Drafter
+    from ssd_eagle.drafters.tree import TreeSettings
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    target = make_tiny_llama(seed=5)
+    tree = TreeSettings(budget=6, depth=3, topk=2) if kind == "eagle3_tree" else None
+    drafter = DraftModelDrafter(make_tiny_llama(seed=6), 257, 2, 256) if kind == "draft_model" else \
+        Eagle3Drafter(eagle3_head_for(target.double()).float(), 2, 256, tree=tree)
+    costs = measure_draft_costs(drafter.backend, 3, tree, context=16, repeats=1)
+    assert sorted(costs) == ([3] if tree else [1, 2, 3]) and min(costs.values()) > 0
+    assert len(list((tmp_path / "ssd_eagle" / "costs").glob("*.json"))) == 1
+    calls = drafter.backend.forwards
+    assert measure_draft_costs(drafter.backend, 3, tree, context=16) == costs and drafter.backend.forwards == calls
+
+
+def test_a_measured_drafting_cost_plans_the_first_round():
+    """Flat verification (1 s), drafting 0.3 s a token, no acceptance seen yet (every a_i at the prior 0.5):
+    E(k) = 2 - 0.5^k tokens in 1 + 0.3 k seconds: 1.0, 1.154, 1.094, 0.987 tokens/s for k = 0..3, so K = 1. Without
+    the start-up measure drafting counted as free until the first rounds taught it, and K = 5 (1.969 tokens/s)."""
+    measured = Planner(PlannerConfig(max_k=5), CostTable({1: [1.0] * 6}), {k: 0.3 * k for k in range(1, 6)})
+    assert measured.choose(["r"]) == {"r": 1}
+    assert measured.round_time(3, 1) == pytest.approx(1.9)
+    assert Planner(PlannerConfig(max_k=5), CostTable({1: [1.0] * 6})).choose(["r"]) == {"r": 5}
+    measured.draft_cost.update(1, 5.0)  # a respawned drafter starts again from the measure, not from nothing
+    measured.new_drafter()
+    assert measured.round_time(1, 1) == pytest.approx(1.3)
+
 def test_a_disturbance_spanning_a_whole_n_does_not_reach_the_table(monkeypatch):
     """A runner slowed by 50 ms a forward for eight forwards in a row (other work on the machine), on a clock the
     forwards advance (2 ms a new token): timed n after n, those eight are every timing of n = 6 and 7; timed in
@@ -353,6 +386,11 @@ def test_planner_for_measures_costs_for_sd_chains_and_trees(byte_tokenizer, tmp_
     assert planner_for(engine, SpeculativeConfig(method="ngram", adaptive=False)) is None
     tree = planner_for(engine, SpeculativeConfig(method="draft_model", model="d", tree_budget=8, tree_depth=4))
     assert tree.config.tree_nodes == 8 and tree.config.max_k == 4 and len(tree.costs.verify[1]) == 9
+    assert planner.draft_costs == {}  # (an n-gram lookup has no draft model to time: learnt online)
+    neural = LLMEngine(target, byte_tokenizer, make_drafter("noisy", target, 2), num_speculative_tokens=3,
+                       max_num_seqs=2, max_model_len=256)
+    assert sorted(planner_for(neural, SpeculativeConfig(method="draft_model", model="d")).draft_costs) == \
+        [1, 2, 3, 4, 5]
 
 
 def test_ssd_is_planned_by_sds_rule_on_its_wait_and_drafts_longer_than_sd_when_hits_save_drafting():

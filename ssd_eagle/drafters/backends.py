@@ -91,6 +91,11 @@ class DraftBackend(ABC):
     static: StaticForward | None = None
     vocab: torch.Tensor | None = None
 
+    @property
+    @abstractmethod
+    def model(self) -> nn.Module:
+        """The draft model (whose config, dtype and packing its costs depend on: :func:`ssd_eagle.planner.cost_key`)."""
+
     def set_vocab(self, ids: torch.Tensor | None, vocab_size: int) -> None:
         """Logit column c scores target token ``ids[c]`` (int64 [D]); None: the target's vocabulary."""
         self.vocab = None if ids is None or ids.numel() == vocab_size else ids.to(self.device)
@@ -236,6 +241,10 @@ class DraftLMBackend(DraftBackend):
         self.set_vocab(ids, self.vocab_size)
         self.use_fixed_shapes(fixed_shapes)
 
+    @property
+    def model(self) -> nn.Module:
+        return self.runner.model
+
     def prefill(self, slot: int, token_ids: list[int], aux=None, start: int = 0, end: int | None = None,
                 pending=None) -> None:
         end = len(token_ids) - 1 if end is None else end
@@ -274,6 +283,10 @@ class Eagle3Backend(DraftBackend):
         if packs_on(self.device):
             pack_linears(head)
         self.use_fixed_shapes(fixed_shapes)
+
+    @property
+    def model(self) -> nn.Module:
+        return self.head
 
     @torch.inference_mode()
     def fuse(self, aux: torch.Tensor) -> torch.Tensor:
