@@ -16,10 +16,11 @@ verifier's wait for the speculator (see :func:`planner_for`). A tree is planned 
 its nodes, and ``a_i`` is the chance that its accepted path reaches depth i (:class:`PlannerConfig`).
 
 Costs: :func:`measure_verify_costs` times ``V(n, B)`` for n = 1..N new tokens per batch-size bucket in a few
-forwards at start-up, and :func:`measure_draft_costs` an SD neural drafter's ``D(K)`` for K = 1..N (one row); both
-are cached on disk per (model, dtype, threads and CPU affinity, torch version, code version) under
-:func:`ssd_eagle.assets.cache_dir`. The drafter's ``D(K)`` starts from that measure and is learnt online from the
-rounds the engine runs (a least-squares line ``d0 + d1 * K`` with forgetting), as are corrections to ``V``.
+forwards at start-up, and :func:`measure_draft_costs` an SD neural drafter's ``D(K)`` for K = 1..N (one row; a
+tree: its whole depth); both are cached on disk per (model, dtype, threads and CPU affinity, torch version, code
+version) under :func:`ssd_eagle.assets.cache_dir`. The drafter's ``D(K)`` starts from that measure and is learnt
+online from the rounds the engine runs (a least-squares line ``d0 + d1 * K`` with forgetting), as are corrections
+to ``V``.
 """
 
 from __future__ import annotations
@@ -84,7 +85,7 @@ class CostTable:
 
 RUNNER_CODE = ("model_runner.py", "kv_cache.py", "packed_linear.py")  # what a target forward runs
 DRAFT_CODE = RUNNER_CODE + ("drafters/backends.py", "drafters/chain.py", "drafters/neural.py", "drafters/tree.py",
-                            "models/eagle3.py", "cuda_graphs.py")  # what an SD drafter's round runs
+                            "models/eagle3.py", "cuda_graphs.py", "sampling.py")  # what an SD drafter's round runs
 
 
 def cost_key(model, *extent, code: tuple[str, ...] = RUNNER_CODE) -> str:
@@ -175,31 +176,41 @@ def least_of_passes(calls: list, repeats: int) -> list[float]:
 @torch.inference_mode()
 def measure_draft_costs(backend, max_k: int, tree=None, context: int = 128, repeats: int = 3,
                         cache: bool = True) -> dict[int, float]:
-    """Seconds an SD round's drafting takes, ``{k: D(k)}`` for one row and k = 1..``max_k`` (a tree: only its
-    depth ``max_k``, the whole tree): what :meth:`~ssd_eagle.drafters.neural.NeuralDrafter.propose` runs after a
-    round that accepted one draft (:func:`~ssd_eagle.drafters.neural.draft_from_committed`: one extend over the two
-    new committed tokens, then the greedy chain or the tree), after a ``context``-token prefix, the least of
-    ``repeats`` passes (:func:`least_of_passes`). The planner starts its ``D(K)`` line from it, so that a request's
-    first rounds are planned at what drafting costs, not as if it were free: SmolLM2's 4-layer draft LM drafted
-    5 tokens (~31 ms) in the first round of every engine, 4 in the second (bf16, Intel Xeon with AMX).
+    """Seconds an SD round's drafting takes for one row, ``{k: D(k)}``: what
+    :meth:`~ssd_eagle.drafters.neural.NeuralDrafter.propose` runs after a round that accepted one draft
+    (:func:`~ssd_eagle.drafters.neural.draft_from_committed`: one extend over the two new committed tokens, then a
+    greedy chain of k tokens, or the tree), after a ``context``-token prefix, the least of ``repeats`` passes
+    (:func:`least_of_passes`). The planner starts its ``D(K)`` line from it, so that a request's first rounds are
+    planned at what drafting costs, not as if it were free: SmolLM2's 4-layer draft LM drafted 5 tokens (~31 ms) in
+    the first round of every engine, 4 in the second (bf16, Intel Xeon with AMX). Sampled rows, Saguaro scaling
+    and batches of several rows cost more than this; the rounds served correct the line.
 
     Args:
         backend: the drafter's :class:`~ssd_eagle.drafters.backends.DraftBackend`; its slot 0 is overwritten (call
             this before any request is admitted).
+        max_k: the longest chain (k = 1..max_k are timed), or a tree's depth (only the whole tree is timed).
         tree: the drafter's :class:`~ssd_eagle.drafters.tree.TreeSettings`, or None for chains.
-        cache: read and write the result under ``cache_dir()/costs``, keyed by :func:`cost_key` of the draft model.
+        context: prefix length, capped so that the prefix, the two new tokens and the draft fit the draft's cache.
+        repeats: timed passes over every k (after one warm-up pass).
+        cache: read and write the result under ``cache_dir()/costs``, keyed by :func:`cost_key` of the draft model
+            and whether it runs in fixed shapes.
 
     Returns:
-        ``{k: seconds}``.
+        ``{k: seconds}``; empty when the cache is too short to hold a prefix and the draft (nothing is timed: the
+        line is learnt online only).
     """
     from types import SimpleNamespace
 
     from ssd_eagle.drafters.neural import draft_from_committed
     from ssd_eagle.sampling_params import SamplingParams
 
-    context = max(2, min(context, backend.kv.max_len - max_k - 3))
+    room = tree.depth * tree.topk if tree is not None else max_k  # a tree's levels write topk positions each
+    context = min(context, backend.kv.max_len - room - 3)
+    if context < 2:
+        return {}
     ks = [max_k] if tree is not None else list(range(1, max_k + 1))
-    key = cost_key(backend.model, "draft", ks, tree, context, code=DRAFT_CODE)
+    key = cost_key(backend.model, "draft", ks, tree, context, f"fixed shapes {backend.static is not None}",
+                   code=DRAFT_CODE)
     seq = SimpleNamespace(slot=0, token_ids=[0] * (context + 2), params=SamplingParams(temperature=0.0),
                           draft_generator=None)
     features = torch.zeros(context + 2, backend.hidden_size, dtype=backend.dtype, device=backend.device) \

@@ -22,11 +22,13 @@ def byte_tokenizer():
 
 @pytest.fixture(autouse=True)
 def measured_cost_tables(monkeypatch):
-    """Engines built by tests time their planner's cost table instead of reading ``~/.cache/ssd_eagle/costs``: a
-    table cached while the machine was loaded (keyed by the runner code's digest, so any edit to it makes a new one)
-    decided whether a test's engine speculated at all, and a test that needs cache hits failed on one machine state
-    and passed on another. tests/test_planner.py checks the cache itself with its own folder."""
+    """Engines built by tests time their planner's costs (verification, drafting) instead of reading
+    ``~/.cache/ssd_eagle/costs``: a table cached while the machine was loaded (keyed by the runner code's digest, so
+    any edit to it makes a new one) decided whether a test's engine speculated at all, and a test that needs cache
+    hits failed on one machine state and passed on another. tests/test_planner.py checks the cache itself with its
+    own folder."""
     import ssd_eagle.planner
 
-    measure = ssd_eagle.planner.measure_verify_costs
-    monkeypatch.setattr(ssd_eagle.planner, "measure_verify_costs", functools.partial(measure, cache=False))
+    for name in ("measure_verify_costs", "measure_draft_costs"):
+        measure = getattr(ssd_eagle.planner, name)
+        monkeypatch.setattr(ssd_eagle.planner, name, functools.partial(measure, cache=False))

@@ -264,7 +264,6 @@ def test_measure_verify_costs_on_a_tiny_model_is_cached(tmp_path, monkeypatch):
     assert measure_verify_costs(runner, max_new=3, max_batch=2, context=16) == table  # read back, not re-timed
 
 
-
 @pytest.mark.parametrize("kind", ["draft_model", "eagle3", "eagle3_tree"])
 def test_measure_draft_costs_times_each_draft_length_once_and_is_cached(kind, tmp_path, monkeypatch):
     """Chains: D(k) for k = 1..K, each > 0; a tree: its whole depth. Read back from the cache, not re-timed."""
@@ -285,6 +284,23 @@ def test_measure_draft_costs_times_each_draft_length_once_and_is_cached(kind, tm
     assert measure_draft_costs(drafter.backend, 3, tree, context=16) == costs and drafter.backend.forwards == calls
 
 
+
+def test_a_tree_with_a_short_cache_builds_its_engine():
+    """A tree's levels write topk positions each (5 levels of top-4: 20 past the prefix): with max_model_len 16 the
+    measure sized its prefix for a chain, wrote the tree past the draft's cache and start-up failed. Now the prefix
+    leaves the tree its room, and both measure at a shorter prefix."""
+    from ssd_eagle.config import EngineConfig, SpeculativeConfig
+    from ssd_eagle.engine.factory import build
+    from helpers import make_byte_tokenizer, noisy_copy
+
+    target = make_tiny_llama(seed=3).double()
+    for tree, expected in ({"tree_budget": 16, "tree_depth": 5, "tree_topk": 4}, {5}), ({}, {1, 2, 3, 4, 5}):
+        spec = SpeculativeConfig(method="draft_model", model="d", **tree)
+        config = EngineConfig(model="in-memory", mode="sd", max_num_seqs=2, max_model_len=16, dtype="float64",
+                              speculative_config=spec)
+        engine = build(config, target=target, tokenizer=make_byte_tokenizer(), draft=noisy_copy(target, 0.05))
+        assert set(engine.planner.draft_costs) == set(expected)
+
 def test_a_measured_drafting_cost_plans_the_first_round():
     """Flat verification (1 s), drafting 0.3 s a token, no acceptance seen yet (every a_i at the prior 0.5):
     E(k) = 2 - 0.5^k tokens in 1 + 0.3 k seconds: 1.0, 1.154, 1.094, 0.987 tokens/s for k = 0..3, so K = 1. Without
@@ -296,6 +312,7 @@ def test_a_measured_drafting_cost_plans_the_first_round():
     measured.draft_cost.update(1, 5.0)  # a respawned drafter starts again from the measure, not from nothing
     measured.new_drafter()
     assert measured.round_time(1, 1) == pytest.approx(1.3)
+
 
 def test_a_disturbance_spanning_a_whole_n_does_not_reach_the_table(monkeypatch):
     """A runner slowed by 50 ms a forward for eight forwards in a row (other work on the machine), on a clock the
