@@ -498,8 +498,8 @@ def test_sd_with_a_narrow_head_equals_target_greedy(mode, tmp_path, byte_tokeniz
     head.init_weights(std=0.3)
     head.project_target_embeddings(target.get_input_embeddings().weight)
     path = save_eagle3(head, tmp_path / "narrow")
-    spec = SpeculativeConfig(method="eagle3", model=str(path), num_speculative_tokens=3,
-                             **({"fanout": [60]} if mode == "ssd" else {}))
+    spec = SpeculativeConfig(method="eagle3", model=str(path), num_speculative_tokens=3, adaptive=False,
+                             **({"fanout": [60]} if mode == "ssd" else {}))  # (unplanned: every round drafts)
     engine = build(EngineConfig(model="in-memory", mode=mode, max_num_seqs=3, max_model_len=256, dtype="float64",
                                 speculative_config=spec), target, tokenizer=byte_tokenizer)
     prompts = [[t % 80 for t in p] for p in random_prompts(4, seed=3)]
