@@ -19,15 +19,25 @@ removes by packing each weight once:
   exactly and sums run in float32, so a packed layer computes what ``F.linear`` computes up to float32 summation
   order: this path needs no opt-in. ``--dtype float16`` on a CPU (:func:`~ssd_eagle.assets.load_model`) rounds a
   float32 model's linear weights to float16 values (:func:`round_linears_to_fp16`) so that all of them take it.
+- **float32 weights, few rows** (AVX2-only CPUs, where ``dtype: auto`` means float32): the same MKL sgemm makes
+  every verification pay ~1.8-2x a decode step. oneDNN's float32 matmul on a weight reordered once
+  (``_reorder_linear_weight`` for a 6-row batch) runs 2..16 rows at far less, and one row no faster than MKL's
+  gemv, so a one-row call (a decode step, a chain's draft step) keeps ``F.linear`` and so do 17 rows and more
+  (prefill, large batches: no faster packed). SmolLM2-135M through :class:`~ssd_eagle.model_runner.ModelRunner`
+  (200-token context, one thread, AMD EPYC Zen 3, median of 12 interleaved forwards, same run), n new tokens
+  1 / 2 / 3 / 4 / 6: ``F.linear`` 61.5 / 112.8 / 120.9 / 108.3 / 121.7 ms, this path 63.2 / 76.2 / 80.3 / 87.7 /
+  95.0 ms; n = 16: 144.6 vs 141.9. Not used on CPUs with native bf16 (there float32 is not auto, and this path is
+  not measured).
 
 Only the forward is replaced (an instance attribute over ``nn.Linear.forward``); ``weight`` stays the module's
 parameter, so state dicts, tied embeddings and training are untouched. The packed copy is rebuilt when the weight
 changes (its version counter or storage), and the plain ``F.linear`` runs whenever autograd needs a graph, the
-weight's dtype is not packed here (``model.double()``; a float32 weight not exactly float16) or the input's dtype
+weight's dtype is not packed here (``model.double()``; a float32 weight not exactly float16 where the float32 path is
+off), a float32 oneDNN weight gets one row or more than 16, or the input's dtype
 or device differs, under ``torch.compile``, or for a sharded weight (tensor parallel). Results equal ``F.linear``'s
 up to summation order (another blocking), so every path of one engine (AR, verification, drafting) goes through
 the same packed kernels and greedy SD still equals its AR up to near ties (:mod:`ssd_eagle.exactness`). The packed
-copy costs the weights' size again in bf16, half of it in float16.
+copy costs the weights' size again in bf16 and float32, half of it in float16.
 """
 
 from __future__ import annotations
@@ -41,6 +51,8 @@ from torch import nn
 from ssd_eagle.platform import cpu_info
 
 PACKED_DTYPES = (torch.bfloat16, torch.float32)
+FP32_ROWS = range(2, 17)  # the row counts a float32 weight runs through oneDNN (others: F.linear, as fast or faster)
+FP32_BATCH_HINT = 6  # the rows oneDNN's float32 weight layout is chosen for (a K = 5 chain's verification)
 
 
 def _ops_resolve(namespace: str, *names: str) -> bool:
@@ -67,11 +79,22 @@ def fp16_packing_available() -> bool:
         and _ops_resolve("quantized", "linear_prepack_fp16", "linear_dynamic_fp16")
 
 
+def fp32_packing_available() -> bool:
+    """float32 packing for few-row matmuls (:data:`FP32_ROWS`): this torch has oneDNN with its reorder and
+    packed-linear ops, and the CPU has AVX2 but no native bf16 (the CPUs where ``dtype: auto`` means float32 and
+    where MKL's few-row sgemm was measured slow; elsewhere float32 keeps ``F.linear``)."""
+    cpu = cpu_info()
+    return torch.backends.mkldnn.is_available() and "avx2" in cpu.flags and not cpu.native_bf16 \
+        and _ops_resolve("mkldnn", "_reorder_linear_weight", "_linear_pointwise")
+
+
 def packs_on(device: str | torch.device) -> bool:
     """Whether models on ``device`` run linears packed where their weights allow: a CPU where
-    :func:`packing_available` (bf16 weights) or :func:`fp16_packing_available` (float32 weights exactly float16).
-    The one decision :class:`~ssd_eagle.model_runner.ModelRunner` (unless compiled) and the EAGLE-3 backend follow."""
-    return torch.device(device).type == "cpu" and (packing_available() or fp16_packing_available())
+    :func:`packing_available` (bf16 weights), :func:`fp16_packing_available` (float32 weights exactly float16) or
+    :func:`fp32_packing_available` (other float32 weights, few rows). The one decision
+    :class:`~ssd_eagle.model_runner.ModelRunner` (unless compiled) and the EAGLE-3 backend follow."""
+    return torch.device(device).type == "cpu" \
+        and (packing_available() or fp16_packing_available() or fp32_packing_available())
 
 
 def exactly_fp16(weight: torch.Tensor) -> bool:
@@ -83,12 +106,20 @@ def exactly_fp16(weight: torch.Tensor) -> bool:
 
 def packable(weight: torch.Tensor) -> bool:
     """This plain CPU weight can run packed: bf16 where :func:`packing_available`, float32 with float16 values
-    where :func:`fp16_packing_available`."""
+    where :func:`fp16_packing_available`, other float32 weights where :func:`fp32_packing_available`."""
     if weight.device.type != "cpu" or type(weight.data) is not torch.Tensor or weight.numel() == 0:
         return False
     if weight.dtype == torch.bfloat16:
         return packing_available()
-    return weight.dtype == torch.float32 and fp16_packing_available() and exactly_fp16(weight.detach())
+    return weight.dtype == torch.float32 and _float32_kind(weight.detach()) is not None
+
+
+def _float32_kind(weight: torch.Tensor) -> str | None:
+    """How a float32 weight runs packed: ``"fp16"`` (FBGEMM; its values are float16 values), ``"fp32"`` (oneDNN,
+    few rows), or None (``F.linear`` only)."""
+    if fp16_packing_available() and exactly_fp16(weight):
+        return "fp16"
+    return "fp32" if fp32_packing_available() else None
 
 
 def round_linears_to_fp16(module: nn.Module) -> int:
@@ -129,7 +160,8 @@ def has_fp16_weights(module: nn.Module) -> bool:
 
 class PackedForward:
     """The forward :func:`pack_linears` installs on one ``nn.Linear``: ``[.., in] -> [.., out]`` through the packed
-    weight (bf16: oneDNN; float32 with float16 values: FBGEMM), else ``F.linear``.
+    weight (bf16: oneDNN; float32 with float16 values: FBGEMM; other float32: oneDNN for :data:`FP32_ROWS` rows),
+    else ``F.linear``.
 
     Inference only: a weight written in place behind autograd's back (``weight.data.copy_``, or in place under
     ``torch.inference_mode`` on a weight made there) keeps its version and storage, so its stale packed copy would
@@ -139,6 +171,7 @@ class PackedForward:
     def __init__(self, linear: nn.Linear):
         self._linear = weakref.ref(linear)  # the layer holds this object: a strong reference would be a cycle
         self.packed: torch.Tensor | None = None
+        self.kind: str | None = None  # "bf16", "fp16" or "fp32": which kernel runs self.packed
         self.key: tuple[int, int] | None = None
 
     @property
@@ -162,22 +195,28 @@ class PackedForward:
             return F.linear(x, weight, bias)
         key = (0 if weight.is_inference() else weight._version, weight.data_ptr())  # (no counter on those)
         if key != self.key:
-            self.packed = _pack(weight.detach())
+            self.kind, self.packed = _pack(weight.detach())
             self.key = key
-        if self.packed is None:
+        if self.packed is None or (self.kind == "fp32" and x.numel() // x.shape[-1] not in FP32_ROWS):
             return F.linear(x, weight, bias)
-        if weight.dtype == torch.bfloat16:
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed, bias, "none", [], "")
-        out = torch.ops.quantized.linear_dynamic_fp16(x.contiguous(), self.packed)
-        return out if bias is None else out.add_(bias)
+        if self.kind == "fp16":
+            out = torch.ops.quantized.linear_dynamic_fp16(x.contiguous(), self.packed)
+            return out if bias is None else out.add_(bias)
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, bias, "none", [], "")
 
 
-def _pack(weight: torch.Tensor):
-    """The packed copy of a plain weight: oneDNN's blocked bf16, FBGEMM's fp16, or None where the weight cannot run
-    packed any more (a float32 weight written to values float16 cannot hold)."""
+def _pack(weight: torch.Tensor) -> tuple[str | None, object]:
+    """``(kind, packed copy)`` of a plain weight: oneDNN's blocked bf16 (``"bf16"``), FBGEMM's fp16 (``"fp16"``),
+    oneDNN's blocked float32 (``"fp32"``), or ``(None, None)`` where the weight cannot run packed any more (a float32
+    weight written to values float16 cannot hold, where the float32 path is off)."""
     if weight.dtype == torch.bfloat16:
-        return torch.ops.mkldnn._reorder_linear_weight(weight, 1)
-    return torch.ops.quantized.linear_prepack_fp16(weight, None) if exactly_fp16(weight) else None
+        return "bf16", torch.ops.mkldnn._reorder_linear_weight(weight, 1)
+    kind = _float32_kind(weight)
+    if kind == "fp16":
+        return kind, torch.ops.quantized.linear_prepack_fp16(weight, None)
+    if kind == "fp32":
+        return kind, torch.ops.mkldnn._reorder_linear_weight(weight, FP32_BATCH_HINT)
+    return None, None
 
 
 def pack_linears(module: nn.Module) -> int:

@@ -117,13 +117,15 @@ def resolve_dtype(name: str, device: str | torch.device = "cpu", cpu: CpuInfo | 
 def describe(device: str | torch.device, dtype: torch.dtype) -> dict:
     """Device, CPU capability and dtype as a JSON-ready dict (for ``/health``, the server log and benchmarks).
     ``packed_weights``: the target's weights in ``dtype`` run packed on this device unless compiled (bf16: oneDNN;
-    float16 on a CPU: FBGEMM, :mod:`ssd_eagle.packed_linear`); ``activations``: the dtype the model computes in."""
+    float16 on a CPU: FBGEMM; float32 on an AVX2-only CPU: oneDNN for few rows, :mod:`ssd_eagle.packed_linear`);
+    ``activations``: the dtype the model computes in."""
     cpu = cpu_info()
-    from ssd_eagle.packed_linear import fp16_packing_available, packing_available
+    from ssd_eagle.packed_linear import fp16_packing_available, fp32_packing_available, packing_available
 
     on_cpu = torch.device(device).type == "cpu"
     packed = on_cpu and ((dtype == torch.bfloat16 and packing_available())
-                         or (dtype == torch.float16 and fp16_packing_available()))
+                         or (dtype == torch.float16 and fp16_packing_available())
+                         or (dtype == torch.float32 and fp32_packing_available()))
     activations = torch.float32 if on_cpu and dtype == torch.float16 else dtype
     info = {"device": str(device), "dtype": str(dtype).removeprefix("torch."),
             "activations": str(activations).removeprefix("torch."), "cpu": cpu.model,

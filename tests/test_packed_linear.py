@@ -1,5 +1,5 @@
-"""Pre-packed linear layers (:mod:`ssd_eagle.packed_linear`), bf16 (oneDNN) and float32 weights with float16 values
-(FBGEMM): the same results as ``F.linear`` up to summation order, the plain path wherever autograd needs it, a
+"""Pre-packed linear layers (:mod:`ssd_eagle.packed_linear`), bf16 (oneDNN), float32 weights with float16 values
+(FBGEMM) and other float32 weights for few rows (oneDNN, AVX2-only CPUs): the same results as ``F.linear`` up to summation order, the plain path wherever autograd needs it, a
 repack when the weight changes, state dicts untouched, and the engine's greedy SD/SSD still equal to its AR up to
 near ties (tests/test_bf16.py runs with packing on and off, and in float16 weights)."""
 
@@ -16,8 +16,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from helpers import make_tiny_llama
-from ssd_eagle.packed_linear import (PackedForward, fp16_packing_available, has_fp16_weights, pack_linears,
-                                     packing_available, round_linears_to_fp16, unpack_linears)
+import ssd_eagle.packed_linear
+from ssd_eagle.packed_linear import (FP32_ROWS, PackedForward, fp16_packing_available, fp32_packing_available,
+                                     has_fp16_weights, pack_linears, packing_available, round_linears_to_fp16,
+                                     unpack_linears)
 
 BF16_HERE = packing_available()  # (read before any test monkeypatches it)
 needs_bf16_packing = pytest.mark.skipif(
@@ -25,6 +27,14 @@ needs_bf16_packing = pytest.mark.skipif(
                           "reorder refuses an AVX2-only CPU)")
 needs_fp16_packing = pytest.mark.skipif(not fp16_packing_available(),
                                         reason="fp16 packing needs FBGEMM (x86-64 torch builds) and AVX2")
+needs_fp32_packing = pytest.mark.skipif(
+    not fp32_packing_available(), reason="float32 packing runs on AVX2 CPUs without native bf16 (and needs oneDNN)")
+
+
+@pytest.fixture
+def no_fp32_packing(monkeypatch):
+    """The FBGEMM tests' fallback is F.linear, as on CPUs without the float32 path (tested on its own below)."""
+    monkeypatch.setattr(ssd_eagle.packed_linear, "fp32_packing_available", lambda: False)
 
 
 def close_in_bf16(a: torch.Tensor, b: torch.Tensor) -> None:
@@ -140,7 +150,7 @@ def close_in_fp32(a: torch.Tensor, b: torch.Tensor) -> None:
 @needs_fp16_packing
 @pytest.mark.parametrize("shape", [(1, 48), (6, 48), (2, 5, 48), (40, 48), (0, 48)])
 @pytest.mark.parametrize("bias", [False, True])
-def test_a_float16_valued_layer_runs_fbgemm_and_computes_what_f_linear_computes(shape, bias):
+def test_a_float16_valued_layer_runs_fbgemm_and_computes_what_f_linear_computes(shape, bias, no_fp32_packing):
     torch.manual_seed(0)
     layer = nn.Linear(48, 96, bias=bias).requires_grad_(False)
     assert pack_linears(layer) == 0  # float32 values: not packed, exact F.linear
@@ -160,7 +170,7 @@ def test_a_float16_valued_layer_runs_fbgemm_and_computes_what_f_linear_computes(
 
 
 @needs_fp16_packing
-def test_a_float16_valued_weight_written_with_float32_values_takes_the_plain_path_again():
+def test_a_float16_valued_weight_written_with_float32_values_takes_the_plain_path_again(no_fp32_packing):
     torch.manual_seed(2)
     layer = nn.Linear(32, 16, bias=False)
     round_linears_to_fp16(layer)
@@ -221,7 +231,7 @@ def test_a_float16_weight_model_decodes_like_its_plain_self_through_the_runner()
     out = runner.forward(ForwardBatch.causal([ids[0].tolist()], [0], [0], runner.dtype, runner.device))
     close_in_fp32(out.logits[0], want[0])
     plain = ModelRunner(make_tiny_llama(seed=3, dtype=torch.float32, init_std=0.1), 1, 64)
-    assert not plain.packed_weights  # float32 values: the exact float32 path, nothing packed
+    assert plain.packed_weights == fp32_packing_available()  # float32 values: oneDNN's few-row path, or nothing
 
 
 @needs_fp16_packing
@@ -239,3 +249,61 @@ def test_load_model_float16_on_a_cpu_gives_float16_weights_and_float32_activatio
     d = describe("cpu", torch.float16)
     assert d["dtype"] == "float16" and d["activations"] == "float32" and d["packed_weights"]
     assert describe("cpu", torch.float32)["activations"] == "float32"
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# other float32 weights: oneDNN for 2..16 rows, F.linear otherwise
+
+@needs_fp32_packing
+@pytest.mark.parametrize("rows", [1, 2, 6, 16, 17, 40])
+@pytest.mark.parametrize("bias", [False, True])
+def test_a_float32_layer_runs_onednn_for_few_rows_and_f_linear_otherwise(rows, bias):
+    torch.manual_seed(0)
+    layer = nn.Linear(48, 96, bias=bias).requires_grad_(False)
+    assert not has_fp16_weights(layer) and pack_linears(layer) == 1
+    for shape in [(rows, 48), (1, rows, 48)]:
+        x = torch.randn(*shape)
+        want = F.linear(x, layer.weight, layer.bias)
+        got = layer(x)
+        assert layer.forward.kind == "fp32" and got.shape == want.shape and got.dtype == torch.float32
+        if rows in FP32_ROWS:
+            close_in_fp32(got, want)
+        else:  # a decode step's one row and a prefill's many run MKL's kernels, bit for bit
+            assert torch.equal(got, want)
+    assert list(layer.state_dict()) == (["weight", "bias"] if bias else ["weight"])
+
+
+@needs_fp32_packing
+def test_a_float32_layer_repacks_when_written_and_switches_kernel_with_its_values():
+    torch.manual_seed(2)
+    layer = nn.Linear(32, 16, bias=False)
+    pack_linears(layer)
+    x = torch.randn(3, 32)
+    out = layer(x)  # the weight requires grad: autograd's F.linear
+    assert torch.equal(out, F.linear(x, layer.weight)) and layer.forward.packed is None
+    with torch.no_grad():
+        close_in_fp32(layer(x), F.linear(x, layer.weight))
+        assert layer.forward.kind == "fp32"
+        layer.weight.mul_(-1)  # an in-place write: repacked
+        close_in_fp32(layer(x), F.linear(x, layer.weight))
+        layer.weight.copy_(layer.weight.half())  # float16 values: FBGEMM where it runs
+        close_in_fp32(layer(x), F.linear(x, layer.weight))
+        assert layer.forward.kind == ("fp16" if fp16_packing_available() else "fp32")
+        assert torch.equal(layer.double()(x.double()), F.linear(x.double(), layer.weight))  # float64: plain path
+
+
+@needs_fp32_packing
+def test_a_float32_model_decodes_like_its_plain_self_through_the_runner():
+    from ssd_eagle.kv_cache import ForwardBatch
+    from ssd_eagle.model_runner import ModelRunner
+
+    model = make_tiny_llama(seed=3, dtype=torch.float32, init_std=0.1)
+    ids = torch.randint(3, 257, (1, 20), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want = model(ids).logits
+    runner = ModelRunner(model, 1, 64)
+    assert runner.packed_weights
+    for start, n in [(0, 14), (14, 1), (15, 5)]:  # a prefill, a decode step, a verification of 5 tokens
+        out = runner.forward(ForwardBatch.causal([ids[0, start: start + n].tolist()], [0], [start], runner.dtype,
+                                                 runner.device))
+        close_in_fp32(out.logits[0], want[0, start: start + n])

@@ -58,5 +58,8 @@ def test_this_machine_is_described():
     from ssd_eagle.packed_linear import packing_available
 
     assert d["packed_weights"] == packing_available()  # bf16 weights run packed where oneDNN packs them
-    line = describe_line("cpu", torch.float32)
-    assert "dtype=float32" in line and f"native_bf16={info.native_bf16}" in line and "packed_weights=False" in line
+    from ssd_eagle.packed_linear import fp32_packing_available
+
+    line = describe_line("cpu", torch.float32)  # float32 runs few-row matmuls packed on AVX2-only CPUs
+    assert "dtype=float32" in line and f"native_bf16={info.native_bf16}" in line \
+        and f"packed_weights={fp32_packing_available()}" in line
