@@ -1,7 +1,7 @@
 """Run ``inference.generate`` or ``inference.serve`` with the target sharded over N ranks (tensor parallel) and,
 in SSD mode, the speculator as rank N -- one command places every process.
 
-    python -m inference.launch --tp 2 generate --prompt "Hi" --mode ar
+    python -m inference.launch --tp 3 generate --prompt "Hi" --mode ar    # SmolLM2-135M: 9 heads, 3 kv heads
     python -m inference.launch --tp 4 serve --device cuda --model meta-llama/Llama-3.1-70B-Instruct \\
         --mode ssd --speculative-config '{"method": "draft_model", "model": "meta-llama/Llama-3.2-1B-Instruct"}'
 

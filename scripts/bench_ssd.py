@@ -19,7 +19,7 @@ AR of each prompt must be a near tie (it prints the divergence rate and the gaps
 bf16 flags and the dtype (``--dtype auto``: bfloat16 where matmuls run bf16 natively, see :mod:`ssd_eagle.platform`).
 It writes a CSV and a PNG of the cache hit rate against the fan-out F with the fitted power law
 ``1 - p_hit(F) = F^-r``. With a Saguaro-aware head (``--eagle3-saguaro``, default
-``drafts/smollm2-135m-eagle3-saguaro`` when it exists) it adds issue 7's pair: the plain and the Saguaro-aware head
+``drafts/smollm2-135m-eagle3-saguaro`` when it holds weights: they are not tracked in git) it adds issue 7's pair: the plain and the Saguaro-aware head
 served at the same (C, F) with a uniform fan-out (``ssd_eagle3_sag_plain`` / ``ssd_eagle3_sag_aware``).
 
     python scripts/bench_ssd.py --prompts 4 --max-tokens 128 --out runs/bench_ssd
@@ -54,6 +54,7 @@ from ssd_eagle.exactness import TopTwoRecorder, argmax_consistent, first_diverge
 from ssd_eagle.kv_cache import ForwardBatch
 from ssd_eagle.model_runner import RunnerOutput
 from ssd_eagle.models.draft_lm import load_draft_model
+from ssd_eagle.models.eagle3_formats import has_checkpoint
 from ssd_eagle.platform import describe_line, resolve_dtype
 from ssd_eagle.prompts import heldout_prompts
 from ssd_eagle.sampling_params import SamplingParams
@@ -105,7 +106,7 @@ class FixedWidthEngine(LLMEngine):
 
 def configs(args) -> dict[str, Config]:
     lm, head = args.draft_lm, args.eagle3
-    head_saguaro = args.eagle3_saguaro if args.eagle3_saguaro and Path(args.eagle3_saguaro).exists() else None
+    head_saguaro = args.eagle3_saguaro if args.eagle3_saguaro and has_checkpoint(args.eagle3_saguaro) else None
     K, B = args.k, args.budget
     lm_spec = {"method": "draft_model", "model": lm, "num_speculative_tokens": K}
     e3 = {"method": "eagle3", "model": head, "num_speculative_tokens": K}
@@ -259,6 +260,11 @@ def main() -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     all_configs = configs(args)
     names = args.configs.split(",") if args.configs else list(all_configs)
+    unknown = [n for n in names if n not in all_configs]
+    if unknown:
+        why = (f" (the ssd_eagle3_sag_* rows need a Saguaro-aware head with weights; --eagle3-saguaro "
+               f"{args.eagle3_saguaro!r} has none)" if any(n.startswith("ssd_eagle3_sag_") for n in unknown) else "")
+        ap.error(f"--configs: unknown {', '.join(unknown)}{why}; known: {', '.join(all_configs)}")
     temps = [float(t) for t in args.temperatures.split(",")]
     args.allowed_cores = sorted(os.sched_getaffinity(0))  # pins stay inside what the caller gave (taskset)
     if len(args.allowed_cores) < 2:

@@ -367,6 +367,8 @@ async def main_async(args) -> dict:
         model = args.model
         if model is None:
             response = await client.get("/v1/models")
+            if response.status_code == 401:
+                raise SystemExit(f"error: {args.url} wants an API key: pass --api-key or set SSD_EAGLE_API_KEY")
             response.raise_for_status()
             model = response.json()["data"][0]["id"]
         pid = args.server_pid or find_listening_pid(urlparse(args.url).port or 80)

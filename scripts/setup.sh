@@ -12,7 +12,9 @@ if ! "$PY" -c "import torch" 2>/dev/null; then
   if command -v nvidia-smi >/dev/null 2>&1; then
     "$PY" -m pip install torch                       # CUDA build on GPU machines
   else
-    "$PY" -m pip install "torch==2.13.0"             # the CPU build (a local file on these machines)
+    # a CPU wheel where pip's configuration provides one (this project's CI machines); elsewhere PyPI's Linux
+    # wheel is the CUDA build (GBs): TORCH_INDEX=https://download.pytorch.org/whl/cpu gets the CPU-only one
+    "$PY" -m pip install "torch==2.13.0" ${TORCH_INDEX:+--index-url "$TORCH_INDEX"}
   fi
 fi
 "$PY" -m pip install -e ".[${extras}]"

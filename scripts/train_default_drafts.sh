@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
-# Reproduce the default drafts of SmolLM2-135M-Instruct (configs/smollm2-135m-{eagle3,draftlm}.yaml):
+# Train the default drafts' recipe for SmolLM2-135M-Instruct from scratch on today's data
+# (configs/smollm2-135m-{eagle3,draftlm}.yaml; the committed drafts are chains of warm starts as the data grew, each
+# run's command in drafts/*/README.md):
 #   1. held-out MT-Bench text answered greedily by the target (for the teacher-forced tau estimate; 40 questions,
 #      of which the trainer's periodic estimate uses heldout_samples)
 #   2. the target's features, computed once (offline mode; shared by all drafts; incremental, so a rerun or an

@@ -146,16 +146,44 @@ def test_load_test(scripts):
     assert '"errors": 0' in out
 
 
-def test_bench_ssd_writes_no_empty_plot(tmp_path, monkeypatch):
-    """No SSD row, or none with 10 bonus-token ranks: no hit-rate PNG (it would be an empty frame); with ranks, one."""
+def import_bench_ssd(monkeypatch):
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("bench_ssd", ROOT / "scripts/bench_ssd.py")
     bench_ssd = importlib.util.module_from_spec(spec)
     monkeypatch.setitem(sys.modules, "bench_ssd", bench_ssd)  # (dataclasses resolve their module)
     spec.loader.exec_module(bench_ssd)
+    return bench_ssd
+
+
+def test_bench_ssd_writes_no_empty_plot(tmp_path, monkeypatch):
+    """No SSD row, or none with 10 bonus-token ranks: no hit-rate PNG (it would be an empty frame); with ranks, one."""
+    bench_ssd = import_bench_ssd(monkeypatch)
     for ranks in ({}, {"ssd_lm_geo": [0, 1, 2]}):
         bench_ssd.plot_hit_rate(ranks, tmp_path)
         assert not (tmp_path / "hit_rate_vs_fanout.png").exists()
     bench_ssd.plot_hit_rate({"ssd_lm_geo": [0] * 12 + [1] * 6 + [2] * 3 + [5]}, tmp_path)
     assert (tmp_path / "hit_rate_vs_fanout.png").stat().st_size > 0
+
+
+def test_bench_ssd_adds_the_saguaro_rows_only_for_a_head_with_weights(tmp_path, monkeypatch, capsys):
+    """The committed Saguaro folder holds a config and a card, not weights (untracked): its rows are not added, and
+    asking for them names why (they crashed the default run at its last rows)."""
+    from safetensors.torch import save_file
+
+    from ssd_eagle.models.eagle3_formats import has_checkpoint
+
+    bench_ssd = import_bench_ssd(monkeypatch)
+    head = tmp_path / "head"
+    head.mkdir()
+    (head / "config.json").write_text("{}")
+    assert not has_checkpoint(head) and not has_checkpoint(tmp_path / "missing")
+    monkeypatch.setattr(sys, "argv", ["bench_ssd.py", "--eagle3-saguaro", str(head), "--configs",
+                                      "ar,ssd_eagle3_sag_aware", "--out", str(tmp_path / "out")])
+    with pytest.raises(SystemExit) as exit_:
+        bench_ssd.main()
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert "unknown ssd_eagle3_sag_aware" in err and "has none" in err
+    save_file({"w": torch.zeros(1)}, str(head / "model.safetensors"))
+    assert has_checkpoint(head)

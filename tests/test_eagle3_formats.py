@@ -196,6 +196,16 @@ def test_missing_tensor_is_refused(saved):
         load_eagle3(path, strict=False)
 
 
+def test_a_missing_folder_or_its_files_are_named(saved, tmp_path, monkeypatch):
+    _, path, _, _ = saved
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(FileNotFoundError, match=r"no EAGLE-3 head folder at drafts/x \(.*/drafts/x; a relative"):
+        load_eagle3("drafts/x")
+    (path / "config.json").unlink()
+    with pytest.raises(FileNotFoundError, match="no config.json in"):
+        load_eagle3(path)
+
+
 def test_checkpoint_without_lm_head_is_refused(saved):
     _, path, tensors, cfg = saved
     del tensors["lm_head.weight"]

@@ -152,6 +152,10 @@ class SpeculatorProcess(InProcess):
                 verifier_cpus, settings.cpus = cores[:half], cores[half:]
                 # as many threads as cores: OpenMP threads spinning for a busy core cost milliseconds per op
                 torch.set_num_threads(min(torch.get_num_threads(), len(verifier_cpus)))
+            else:
+                log.warning(f"SSD on CPU with only core(s) {cores} allowed: the verifier and the speculator share "
+                            "one core, so the speculator cannot draft while the target verifies (expect SD's "
+                            "speed or less; give the process two cores)")
         if config.draft_device.startswith("cuda") and config.device.startswith("cuda") and \
                 cuda_index(config.draft_device) != cuda_index(config.device):
             settings.dist_backend = "nccl"

@@ -224,6 +224,14 @@ def _to_speculators_name(name: str) -> str:
 # ----------------------------------------------------------------------------------------------------------------
 # reading
 
+def has_checkpoint(path: str | os.PathLike) -> bool:
+    """Whether the folder ``path`` holds weights :func:`read_checkpoint_tensors` reads (a model card and config
+    alone, as in a draft folder whose weights are not tracked, do not count)."""
+    path = Path(path)
+    return path.is_dir() and ((path / WEIGHTS_NAME).exists() or any(path.glob("*.safetensors"))
+                              or (path / "pytorch_model.bin").exists())
+
+
 def read_checkpoint_tensors(path: str | os.PathLike) -> dict[str, torch.Tensor]:
     """All tensors of a checkpoint directory: ``model.safetensors``, sharded ``*.safetensors`` with an index,
     any single ``*.safetensors``, or ``pytorch_model.bin`` (loaded with ``weights_only=True``).
@@ -362,6 +370,9 @@ def load_eagle3(path: str | os.PathLike, target_config=None, strict: bool = True
     """
     path = Path(path)
     config_path = path / CONFIG_NAME
+    if not path.is_dir():
+        raise FileNotFoundError(f"no EAGLE-3 head folder at {path} ({path.resolve()}; a relative path is taken "
+                                "from the current directory)")
     if not config_path.exists():
         raise FileNotFoundError(f"no {CONFIG_NAME} in {path}")
     raw = read_checkpoint_tensors(path)
