@@ -308,6 +308,15 @@ def test_cli_flags_come_from_the_config(tmp_path):
         cli.regen_config(cli.parse_args(["--work-dir", str(tmp_path), "--magpie-share", "2"]), tmp_path)
 
 
+def test_packing_an_empty_work_folder_is_a_one_line_error(tmp_path, capsys):
+    from train.regen import cli
+
+    assert cli.main(["--work-dir", str(tmp_path / "empty"), "--pack", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert "--pack: error: nothing to pack: 0 rows read" in err and "Traceback" not in err
+    assert not (tmp_path / "out" / pack.GZ_NAME).exists()
+
+
 def test_a_looping_turn_is_aborted_at_a_check_not_generated_to_its_cap(tiny_engine_parts, tmp_path, monkeypatch):
     from train.regen import scheduler
 

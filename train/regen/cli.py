@@ -143,8 +143,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.pack is not None:
         from train.regen.pack import pack
 
-        manifest = pack(args.work_dir, args.pack, merge=args.merge, model=args.model,
-                        max_length_share=0.25, repo=REPO)
+        try:
+            manifest = pack(args.work_dir, args.pack, merge=args.merge, model=args.model,
+                            max_length_share=0.25, repo=REPO)
+        except ValueError as e:  # nothing to pack: a one-line error, not a traceback
+            print(f"regenerate_data.py --pack: error: {e}", file=sys.stderr)
+            return 2
         print(json.dumps({k: manifest[k] for k in ("num_conversations", "assistant_tokens", "length_share",
                                                    "greedy_share", "per_source")}, indent=1))
         return 0
