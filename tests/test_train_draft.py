@@ -730,3 +730,41 @@ def test_init_from_warm_starts_an_exported_head_and_refuses_another_geometry(tin
     with pytest.raises(ValueError, match="draft_vocab_size"):
         run_trainer(**tiny_config(tiny_setup, tmp_path / "c", init_from=str(tmp_path / "export"),
                                   draft_vocab_size=16, max_steps=1))
+
+
+def test_init_from_a_smaller_vocabulary_widens_it_and_keeps_the_trained_rows(tiny_setup, tmp_path):
+    from ssd_eagle.models.eagle3_formats import load_eagle3, save_eagle3
+
+    first, _ = run_trainer(**tiny_config(tiny_setup, tmp_path / "a", max_steps=2, save_every=2, eval_every=0))
+    save_eagle3(first.head, tmp_path / "export")
+    old = load_eagle3(tmp_path / "export", dtype=torch.float32)
+    wide, _ = run_trainer(**tiny_config(tiny_setup, tmp_path / "b", init_from=str(tmp_path / "export"), lr=1e-9,
+                                        draft_vocab_size=40, max_steps=1, save_every=1, eval_every=0))
+    head = wide.head
+    new_ids, old_ids = head.draft_target_ids.cpu(), old.draft_target_ids
+    assert head.config.draft_vocab_size == 40 and bool(head.t2d.cpu()[old_ids].all())
+    position = {int(t): i for i, t in enumerate(new_ids)}
+    carried = torch.tensor([position[int(t)] for t in old_ids])
+    weight = head.lm_head.weight.detach().float().cpu()
+    torch.testing.assert_close(weight[carried], old.lm_head.weight, rtol=0, atol=1e-6)  # one step at lr 1e-9
+    for name, value in old.state_dict().items():  # everything but the output side is the export's
+        if name not in ("lm_head.weight", "d2t", "t2d"):
+            torch.testing.assert_close(head.state_dict()[name].float().cpu(), value.float(), rtol=0, atol=1e-6)
+    added = torch.tensor([i for i in range(40) if i not in set(carried.tolist())])
+    target = wide.lm_head_weight.float().cpu()
+    scale = old.lm_head.weight.norm(dim=-1).mean() / target[old_ids].norm(dim=-1).mean()
+    torch.testing.assert_close(weight[added], target[new_ids[added]] * scale, rtol=1e-5, atol=1e-6)
+    assert 0.0 < wide.vocab_coverage <= 1.0
+    save_eagle3(head, tmp_path / "wide")  # the widened head exports and loads like any other
+    assert load_eagle3(tmp_path / "wide", dtype=torch.float32).config.draft_vocab_size == 40
+
+
+def test_widen_draft_vocab_keeps_the_old_tokens_then_adds_the_most_frequent():
+    from train.vocab import widen_draft_vocab
+
+    counts = torch.tensor([0, 9, 0, 5, 7, 1, 0, 3])
+    d2t, t2d = widen_draft_vocab(torch.tensor([2, 6]), counts, 4)  # 2 and 6 never seen, kept anyway
+    assert sorted((torch.arange(4) + d2t).tolist()) == [1, 2, 4, 6]
+    assert t2d.tolist() == [False, True, True, False, True, False, True, False]
+    with pytest.raises(ValueError, match="widen a draft vocabulary, not narrow"):
+        widen_draft_vocab(torch.tensor([1, 2, 3]), counts, 2)

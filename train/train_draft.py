@@ -27,7 +27,7 @@ import json
 import math
 import sys
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 if __package__ in (None, ""):  # launched as a script (deepspeed train/train_draft.py): make the repo importable
@@ -211,13 +211,22 @@ class Trainer:
 
                 start = load_eagle3(cfg.init_from, target_config=self.target.config, dtype=torch.float32)
                 config = start.config
-                wanted = {"draft_vocab_size": cfg.draft_vocab_size, "aux_layer_ids": tuple(self.aux_layer_ids),
+                widen = cfg.draft_vocab_size > config.draft_vocab_size and not config.owns_embeddings
+                wanted = {"draft_vocab_size": config.draft_vocab_size if widen else cfg.draft_vocab_size,
+                          "aux_layer_ids": tuple(self.aux_layer_ids),
                           "hidden_size": cfg.draft_hidden_size or config.target_hidden_size}
                 for name, value in wanted.items():
                     got = getattr(config, name)
                     if (tuple(got) if name == "aux_layer_ids" else got) != value:
                         raise ValueError(f"init_from {cfg.init_from}: {name} {got} != the config's {value}")
                 d2t, t2d = start.d2t, start.t2d
+                if widen:  # a larger draft vocabulary: the export's tokens plus this data's most frequent others
+                    from train.vocab import widen_draft_vocab
+
+                    counts = self._token_counts()
+                    d2t, t2d = widen_draft_vocab(start.draft_target_ids, counts, cfg.draft_vocab_size)
+                    config = replace(config, draft_vocab_size=cfg.draft_vocab_size)
+                    self.vocab_coverage = float(counts[t2d].sum() / counts.sum().clamp_min(1))
             else:
                 counts = self._token_counts()
                 d2t, t2d = build_draft_vocab(counts, cfg.draft_vocab_size)
@@ -236,6 +245,13 @@ class Trainer:
             head.set_embeddings(self.target_embed)  # a head of another width keeps its own table
             if self.snapshot:
                 pass  # a resume's weights (and a narrow head's table) come with its checkpoint
+            elif cfg.init_from and start.config.draft_vocab_size != config.draft_vocab_size:  # widened vocabulary
+                output = ("lm_head.weight", "d2t", "t2d")
+                result = head.load_state_dict({k: v for k, v in start.state_dict().items() if k not in output},
+                                              strict=False)
+                if result.unexpected_keys or set(result.missing_keys) - set(output):
+                    raise ValueError(f"init_from {cfg.init_from}: state dict does not match the head: {result}")
+                head.init_output_from_head(start, self.lm_head_weight)
             elif cfg.init_from:
                 head.load_state_dict(start.state_dict())  # the export's table too: no projection to redo
             else:

@@ -100,6 +100,36 @@ def build_draft_vocab(counts: torch.Tensor, draft_vocab_size: int) -> tuple[torc
     return d2t, t2d
 
 
+def widen_draft_vocab(kept_ids: torch.Tensor, counts: torch.Tensor, draft_vocab_size: int
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(d2t, t2d)`` of a larger draft vocabulary that keeps every id of ``kept_ids`` (a trained head's vocabulary,
+    so that its output rows carry over) and fills the rest with the most frequent other ids of ``counts`` (ties:
+    lower id first), then the smallest unused ids.
+
+    Args:
+        kept_ids: int64 [D_old], the target ids of the trained head's draft ids (``draft_target_ids``).
+        counts: int64 [V], e.g. from :func:`count_token_frequencies`.
+        draft_vocab_size: D >= D_old.
+
+    Returns:
+        ``d2t`` int64 [D] and ``t2d`` bool [V], as :func:`build_draft_vocab`.
+
+    Raises:
+        ValueError: D smaller than the kept vocabulary (a head's vocabulary only grows), or D not in ``[1, V]``.
+    """
+    from ssd_eagle.models.eagle3 import build_vocab_mapping, check_vocab_mapping
+
+    counts = torch.as_tensor(counts, dtype=torch.long)
+    kept = torch.as_tensor(kept_ids, dtype=torch.long).flatten()
+    if draft_vocab_size < kept.numel():
+        raise ValueError(f"draft_vocab_size {draft_vocab_size} < the {kept.numel()} tokens of the trained head's "
+                         "vocabulary: a warm start can widen a draft vocabulary, not narrow it")
+    order = most_frequent_ids(counts, counts.numel())
+    d2t, t2d = build_vocab_mapping(torch.cat([kept, order]), counts.numel(), draft_vocab_size)
+    check_vocab_mapping(d2t, t2d, counts.numel())
+    return d2t, t2d
+
+
 def draft_vocab_from_dataset(samples, vocab_size: int, draft_vocab_size: int, *, progress: bool = True
                              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Count (:func:`count_token_frequencies`) and choose (:func:`build_draft_vocab`) in one call.
