@@ -751,9 +751,7 @@ def test_init_from_a_smaller_vocabulary_widens_it_and_keeps_the_trained_rows(tin
         if name not in ("lm_head.weight", "d2t", "t2d"):
             torch.testing.assert_close(head.state_dict()[name].float().cpu(), value.float(), rtol=0, atol=1e-6)
     added = torch.tensor([i for i in range(40) if i not in set(carried.tolist())])
-    target = wide.lm_head_weight.float().cpu()
-    scale = old.lm_head.weight.norm(dim=-1).mean() / target[old_ids].norm(dim=-1).mean()
-    torch.testing.assert_close(weight[added], target[new_ids[added]] * scale, rtol=1e-5, atol=1e-6)
+    assert weight[added].abs().max() < 1e-6  # new tokens start at logit 0
     assert 0.0 < wide.vocab_coverage <= 1.0
     save_eagle3(head, tmp_path / "wide")  # the widened head exports and loads like any other
     assert load_eagle3(tmp_path / "wide", dtype=torch.float32).config.draft_vocab_size == 40

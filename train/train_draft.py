@@ -211,7 +211,7 @@ class Trainer:
 
                 start = load_eagle3(cfg.init_from, target_config=self.target.config, dtype=torch.float32)
                 config = start.config
-                widen = cfg.draft_vocab_size > config.draft_vocab_size and not config.owns_embeddings
+                widen = cfg.draft_vocab_size > config.draft_vocab_size
                 wanted = {"draft_vocab_size": config.draft_vocab_size if widen else cfg.draft_vocab_size,
                           "aux_layer_ids": tuple(self.aux_layer_ids),
                           "hidden_size": cfg.draft_hidden_size or config.target_hidden_size}
@@ -251,7 +251,7 @@ class Trainer:
                                               strict=False)
                 if result.unexpected_keys or set(result.missing_keys) - set(output):
                     raise ValueError(f"init_from {cfg.init_from}: state dict does not match the head: {result}")
-                head.init_output_from_head(start, self.lm_head_weight)
+                head.init_output_from_head(start)
             elif cfg.init_from:
                 head.load_state_dict(start.state_dict())  # the export's table too: no projection to redo
             else:

@@ -272,41 +272,31 @@ class Eagle3DraftModel(nn.Module):
         self.norm.weight.copy_(norm_weight.detach().to(self.norm.weight))
 
     @torch.no_grad()
-    def init_output_from_head(self, head: Eagle3DraftModel, lm_head_weight: torch.Tensor) -> None:
+    def init_output_from_head(self, head: Eagle3DraftModel) -> None:
         """Start the ``lm_head`` of a widened draft vocabulary from ``head``, a trained head of the same width whose
-        vocabulary this one contains: every token of ``head``'s vocabulary keeps its trained row; every new token
-        starts from the target's output row ``lm_head_weight[t]`` scaled by the mean norm of the trained rows over
-        that of the target's rows of the same tokens (a heuristic: the trained rows' scale, the target's direction).
-        The head's draft distribution over the old tokens is unchanged up to the new tokens' share of the softmax.
-        Call after :meth:`set_vocab_mapping`; the other weights come from ``head``'s state dict.
-
-        Args:
-            head: the trained head (``draft_vocab_size`` <= this one's).
-            lm_head_weight: the target's output embeddings, [vocab_size, hidden_size].
+        vocabulary this one contains: every token of ``head``'s vocabulary keeps its trained row, every new token
+        starts from a zero row (logit 0). Greedy drafting is then unchanged wherever the best trained logit is above
+        0, which held throughout for SmolLM2: its head of run 12 widened from
+        8192 to 16384 tokens drafted exactly what it drafted before (tau 1.849 / 2.280 on 40 held-out MT-Bench /
+        HumanEval prompts, K = 5, bf16, against 1.849 / 2.280), where starting the new rows from the target's
+        output rows (scaled to the trained rows' norm) made them win the argmax: tau 1.101 / 1.151. Call after
+        :meth:`set_vocab_mapping`; the other weights come from ``head``'s state dict.
 
         Raises:
-            ValueError: another width, a token of ``head``'s vocabulary missing from this one's, or a target
-                ``lm_head`` not [vocab_size, hidden_size].
+            ValueError: another width, or a token of ``head``'s vocabulary missing from this one's.
         """
-        cfg = self.config
-        if head.config.hidden_size != cfg.hidden_size or cfg.owns_embeddings:
-            raise ValueError("only a head as wide as its target can widen its vocabulary from the target's rows")
-        if tuple(lm_head_weight.shape) != (cfg.vocab_size, cfg.hidden_size):
-            raise ValueError(f"target lm_head is {tuple(lm_head_weight.shape)}, expected "
-                             f"{(cfg.vocab_size, cfg.hidden_size)}")
+        if head.config.hidden_size != self.config.hidden_size:
+            raise ValueError(f"hidden_size {head.config.hidden_size} != {self.config.hidden_size}")
         new_ids, old_ids = self.draft_target_ids.cpu(), head.draft_target_ids.cpu()
-        old_row = torch.full((cfg.vocab_size,), -1, dtype=torch.long)
+        old_row = torch.full((self.config.vocab_size,), -1, dtype=torch.long)
         old_row[old_ids] = torch.arange(old_ids.numel())
         source = old_row[new_ids]
-        if int((source >= 0).sum()) != old_ids.numel():
-            raise ValueError("the new draft vocabulary does not contain every token of the trained head's")
-        trained = head.lm_head.weight.detach().cpu().double()
-        target = lm_head_weight.detach().cpu().double()
-        scale = trained.norm(dim=-1).mean() / target[old_ids].norm(dim=-1).mean().clamp_min(1e-12)
-        rows = target[new_ids] * scale
         carried = source >= 0
-        rows[carried] = trained[source[carried]]
-        self.lm_head.weight.copy_(rows.to(self.lm_head.weight))
+        if int(carried.sum()) != old_ids.numel():
+            raise ValueError("the new draft vocabulary does not contain every token of the trained head's")
+        rows = torch.zeros_like(self.lm_head.weight, device="cpu")
+        rows[carried] = head.lm_head.weight.detach().cpu().to(rows.dtype)[source[carried]]
+        self.lm_head.weight.copy_(rows)
 
     def set_owned_embeddings(self, weight: torch.Tensor) -> None:
         """Own a frozen copy of an embedding table [vocab_size, hidden_size] (a checkpoint's ``embed_tokens``).
