@@ -757,12 +757,12 @@ def test_init_from_a_smaller_vocabulary_widens_it_and_keeps_the_trained_rows(tin
     assert load_eagle3(tmp_path / "wide", dtype=torch.float32).config.draft_vocab_size == 40
 
 
-def test_widen_draft_vocab_keeps_the_old_tokens_then_adds_the_most_frequent():
-    from train.vocab import widen_draft_vocab
+def test_build_draft_vocab_keeps_the_old_tokens_then_adds_the_most_frequent():
+    from train.vocab import build_draft_vocab
 
     counts = torch.tensor([0, 9, 0, 5, 7, 1, 0, 3])
-    d2t, t2d = widen_draft_vocab(torch.tensor([2, 6]), counts, 4)  # 2 and 6 never seen, kept anyway
+    d2t, t2d = build_draft_vocab(counts, 4, keep=torch.tensor([2, 6]))  # 2 and 6 never seen, kept anyway
     assert sorted((torch.arange(4) + d2t).tolist()) == [1, 2, 4, 6]
     assert t2d.tolist() == [False, True, True, False, True, False, True, False]
     with pytest.raises(ValueError, match="widen a draft vocabulary, not narrow"):
-        widen_draft_vocab(torch.tensor([1, 2, 3]), counts, 2)
+        build_draft_vocab(counts, 2, keep=torch.tensor([1, 2, 3]))

@@ -85,7 +85,7 @@ class TrainConfig(ConfigModel):
             schedule (an EAGLE-3 head's geometry must match ``draft_hidden_size`` and the aux ids, and its
             ``draft_vocab_size`` be the config's or smaller: the vocabulary is then widened to the config's, keeping
             the head's tokens and their trained rows and adding this data's most frequent other tokens with zero rows
-            (``train.vocab.widen_draft_vocab``, ``Eagle3DraftModel.init_output_from_head``); a draft
+            (``train.vocab.build_draft_vocab`` with ``keep``, ``Eagle3DraftModel.init_output_from_head``); a draft
             LM's layer count ``draft_lm_layers``; a resume from ``output_dir``'s checkpoints takes precedence).
             Carries training across sessions on growing data.
         saguaro_c: train a Saguaro-aware head for Saguaro sampling with this C in (0, 1] (None: plain head);

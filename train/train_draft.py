@@ -221,10 +221,8 @@ class Trainer:
                         raise ValueError(f"init_from {cfg.init_from}: {name} {got} != the config's {value}")
                 d2t, t2d = start.d2t, start.t2d
                 if widen:  # a larger draft vocabulary: the export's tokens plus this data's most frequent others
-                    from train.vocab import widen_draft_vocab
-
                     counts = self._token_counts()
-                    d2t, t2d = widen_draft_vocab(start.draft_target_ids, counts, cfg.draft_vocab_size)
+                    d2t, t2d = build_draft_vocab(counts, cfg.draft_vocab_size, keep=start.draft_target_ids)
                     config = replace(config, draft_vocab_size=cfg.draft_vocab_size)
                     self.vocab_coverage = float(counts[t2d].sum() / counts.sum().clamp_min(1))
             else:
@@ -245,7 +243,7 @@ class Trainer:
             head.set_embeddings(self.target_embed)  # a head of another width keeps its own table
             if self.snapshot:
                 pass  # a resume's weights (and a narrow head's table) come with its checkpoint
-            elif cfg.init_from and start.config.draft_vocab_size != config.draft_vocab_size:  # widened vocabulary
+            elif cfg.init_from and widen:  # widened vocabulary: new rows start at zero
                 output = ("lm_head.weight", "d2t", "t2d")
                 result = head.load_state_dict({k: v for k, v in start.state_dict().items() if k not in output},
                                               strict=False)

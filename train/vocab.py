@@ -76,57 +76,35 @@ def most_frequent_ids(counts: torch.Tensor, draft_vocab_size: int) -> torch.Tens
     return order[:min(nonzero, draft_vocab_size)]
 
 
-def build_draft_vocab(counts: torch.Tensor, draft_vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+def build_draft_vocab(counts: torch.Tensor, draft_vocab_size: int, keep: torch.Tensor | None = None
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(d2t, t2d)`` from token counts: the ``draft_vocab_size`` most frequent ids, sorted by id, padded with the
-    smallest unused ids when fewer distinct ids were counted.
+    smallest unused ids when fewer distinct ids were counted. With ``keep`` (a trained head's vocabulary, widened by a
+    warm start so that its output rows carry over) those ids come first, then the most frequent others.
 
     Args:
         counts: int64 [V], e.g. from :func:`count_token_frequencies` or :func:`load_token_counts`.
         draft_vocab_size: D <= V.
+        keep: optional int64 [D_old] target ids that must stay in the vocabulary (``draft_target_ids``), D_old <= D.
 
     Returns:
         ``d2t`` int64 [D] (``d2t[i] = used[i] - i``) and ``t2d`` bool [V] (see
         :func:`ssd_eagle.models.eagle3.build_vocab_mapping`, which builds them).
 
     Raises:
-        ValueError: D not in ``[1, V]``.
+        ValueError: D not in ``[1, V]``, or smaller than ``keep`` (a warm start widens a vocabulary, never narrows it).
     """
     from ssd_eagle.models.eagle3 import build_vocab_mapping, check_vocab_mapping
 
     counts = torch.as_tensor(counts, dtype=torch.long)
     vocab_size = counts.numel()
-    d2t, t2d = build_vocab_mapping(most_frequent_ids(counts, draft_vocab_size), vocab_size, draft_vocab_size)
-    check_vocab_mapping(d2t, t2d, vocab_size)
-    return d2t, t2d
-
-
-def widen_draft_vocab(kept_ids: torch.Tensor, counts: torch.Tensor, draft_vocab_size: int
-                      ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(d2t, t2d)`` of a larger draft vocabulary that keeps every id of ``kept_ids`` (a trained head's vocabulary,
-    so that its output rows carry over) and fills the rest with the most frequent other ids of ``counts`` (ties:
-    lower id first), then the smallest unused ids.
-
-    Args:
-        kept_ids: int64 [D_old], the target ids of the trained head's draft ids (``draft_target_ids``).
-        counts: int64 [V], e.g. from :func:`count_token_frequencies`.
-        draft_vocab_size: D >= D_old.
-
-    Returns:
-        ``d2t`` int64 [D] and ``t2d`` bool [V], as :func:`build_draft_vocab`.
-
-    Raises:
-        ValueError: D smaller than the kept vocabulary (a head's vocabulary only grows), or D not in ``[1, V]``.
-    """
-    from ssd_eagle.models.eagle3 import build_vocab_mapping, check_vocab_mapping
-
-    counts = torch.as_tensor(counts, dtype=torch.long)
-    kept = torch.as_tensor(kept_ids, dtype=torch.long).flatten()
+    kept = torch.zeros(0, dtype=torch.long) if keep is None else torch.as_tensor(keep, dtype=torch.long).flatten()
     if draft_vocab_size < kept.numel():
         raise ValueError(f"draft_vocab_size {draft_vocab_size} < the {kept.numel()} tokens of the trained head's "
                          "vocabulary: a warm start can widen a draft vocabulary, not narrow it")
-    order = most_frequent_ids(counts, counts.numel())
-    d2t, t2d = build_vocab_mapping(torch.cat([kept, order]), counts.numel(), draft_vocab_size)
-    check_vocab_mapping(d2t, t2d, counts.numel())
+    ids = torch.cat([kept, most_frequent_ids(counts, draft_vocab_size + kept.numel())])
+    d2t, t2d = build_vocab_mapping(ids, vocab_size, draft_vocab_size)
+    check_vocab_mapping(d2t, t2d, vocab_size)
     return d2t, t2d
 
 
