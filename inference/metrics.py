@@ -14,9 +14,10 @@ requests.
 - ``spec_tau``, ``spec_acceptance_rate``, ``spec_cache_hit_rate`` (gauges): since start (hit rate NaN when the
   drafter does no cache lookups).
 - ``spec_planned_draft_length`` (histogram, integer buckets): the draft length the planner (:mod:`ssd_eagle.planner`)
-  gave each request's round, 0 (plain decoding) included; ``spec_rounds_without_speculation_total`` and
-  ``spec_probes_total`` (counters): request rounds planned at 0, and the probes of requests whose speculation was off.
-  All three stay at 0 without a planner.
+  gave each request's round, 0 (plain decoding) included; ``spec_rounds_without_speculation_total``,
+  ``spec_planned_tree_rounds_total`` and ``spec_probes_total`` (counters): request rounds planned at 0, those given
+  the drafter's tree (the rest drafted chains), and the probes of requests whose speculation was off. All four stay
+  at 0 without a planner.
 - ``queue_depth`` (gauge): requests accepted but not yet decoding; ``running_requests`` (gauge): decoding.
 - ``kv_cache_usage_bytes`` (gauge): bytes the target's KV store, the drafts' stores (as reserved for the live
   requests, the SSD speculator's included) and the prefix cache hold, after the latest step;
@@ -96,6 +97,8 @@ class ServerMetrics:
                                    "(0: plain decoding)", buckets=_DRAFT_LENGTH_BUCKETS, registry=r)
         self.rounds_without_speculation = Counter(p + "spec_rounds_without_speculation",
                                                   "Request rounds the planner ran without drafting", registry=r)
+        self.planned_trees = Counter(p + "spec_planned_tree_rounds", "Request rounds the planner gave a tree "
+                                     "(the others that drafted: chains)", registry=r)
         self.probes = Counter(p + "spec_probes", "Probes of requests whose speculation the planner had switched off",
                               registry=r)
         self.queue_depth = Gauge(p + "queue_depth", "Requests accepted but not yet decoding", registry=r)
@@ -141,6 +144,9 @@ class ServerMetrics:
             if k == 0 and delta > 0:
                 self.rounds_without_speculation.inc(delta)
             seen.planned_k[k] = total
+        if engine_stats.planned_trees > seen.planned_trees:
+            self.planned_trees.inc(engine_stats.planned_trees - seen.planned_trees)
+            seen.planned_trees = engine_stats.planned_trees
         if engine_stats.num_probes > seen.num_probes:
             self.probes.inc(engine_stats.num_probes - seen.num_probes)
             seen.num_probes = engine_stats.num_probes

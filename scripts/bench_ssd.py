@@ -73,6 +73,7 @@ class Config:
     hf: str | None = None  # "assisted" or "lookup"
     fixed_width: bool = False  # shape-invariant: every target forward padded to K + 1 tokens (FixedWidthEngine)
     plan: bool = False  # the planner's choice (ssd_eagle.planner): K in 0..K from measured costs and acceptance
+    tree_only: bool = False  # with plan: an SD tree planned on or off, no chains competing (the planner before)
 
 
 class FixedWidthEngine(LLMEngine):
@@ -137,7 +138,10 @@ def configs(args) -> dict[str, Config]:
         Config("sd_eagle3_plan", "sd", {"method": "eagle3", "model": head}, plan=True),
         Config("sd_lm_plan", "sd", {"method": "draft_model", "model": lm}, plan=True),
         Config("ssd_eagle3_plan", "ssd", {"method": "eagle3", "model": head, **geometric}, plan=True),
-        Config("sd_eagle3_tree_plan", "sd", {**e3, **tree}, plan=True),  # a tree planned on or off
+        # the tree, a chain of 1..K, or neither (configs/default_serving.yaml's bfloat16 entry); the tree on or off
+        Config("sd_eagle3_tree_plan", "sd", {"method": "eagle3", "model": head, **tree}, plan=True),
+        Config("sd_eagle3_tree_only_plan", "sd", {"method": "eagle3", "model": head, **tree}, plan=True,
+               tree_only=True),
         Config("ssd_eagle3_tree_plan", "ssd", {**e3, "tree_budget": "auto", "fanout_budget": B}, plan=True),
         Config("hf_assisted", "hf", hf="assisted"),
         Config("hf_lookup", "hf", hf="lookup"),
@@ -205,6 +209,7 @@ def run_engine(engine: LLMEngine, prompts, params, record_top2: bool = False) ->
             "wait_on_hit_ms": summary.get("wait_on_hit_ms"), "wait_on_miss_ms": summary.get("wait_on_miss_ms"),
             "fast_backup": f"{total.rounds_on_fast_backup}/{total.rounds_on_miss}" if total.cache_lookups else None,
             "planned_k": summary.get("planned_rounds_per_k"), "probes": summary.get("probes"),
+            "tree_rounds": summary.get("planned_tree_rounds"),
             "argmax_ok": consistent if params.logprobs is not None else None, "outputs": outputs, "top2": top2}
 
 
@@ -224,8 +229,8 @@ def run_hf(model, assistant, prompts, params, kind: str, k: int) -> dict:
         outputs.append(out[0, len(p):].tolist())
     return {"tokens": tokens, "seconds": seconds, "tps": tokens / seconds, "tau": None, "acc": None, "hit": None,
             "V": None, "D": None, "rounds": None, "wait_on_hit_ms": None, "wait_on_miss_ms": None, "fast_backup": None,
-            "planned_k": None,
-            "probes": None, "argmax_ok": None, "outputs": outputs, "top2": None}
+            "planned_k": None, "probes": None, "tree_rounds": None, "argmax_ok": None, "outputs": outputs,
+            "top2": None}
 
 
 def main() -> None:
@@ -329,6 +334,8 @@ def run_config(cfg: Config, args, model, tokenizer, prompts, temps: list[float],
                       max_draft_tokens=spec.max_draft_tokens if spec else 0, **width)
         if cfg.plan:
             engine.planner = planner_for(engine, spec)
+            if cfg.tree_only:
+                engine.planner.config.chains, engine.planner.tree_round = False, True
         out[temp] = run_engine(engine, prompts, params, record_top2=cfg.mode == "ar" and temp == 0)
     if cfg.mode == "ssd":
         try:  # (a speculator that failed mid-run was replaced by ordinary decoding: its rows show that)
@@ -435,7 +442,8 @@ def planner_check(rows, by) -> None:
         median = statistics.median(ratios)
         print(f"planner's choice vs AR: {r['config']} T={r['temperature']:g}: median ratio over {len(ratios)} runs "
               f"{median:.3f} (goal >= 0.97{'' if median >= 0.97 else ', MISSED'}); runs "
-              f"{', '.join(f'{x:.3f}' for x in ratios)}; rounds per planned K {r['planned_k']}, probes {r['probes']}")
+              f"{', '.join(f'{x:.3f}' for x in ratios)}; rounds per planned K {r['planned_k']} "
+              f"({r['tree_rounds']} trees), probes {r['probes']}")
 
 
 def plot_hit_rate(ranks: dict[str, list[int]], out_dir: Path) -> None:

@@ -13,7 +13,8 @@ is switched off. While off, a request *probes* (a short draft now and then, less
 speculation comes back when drafts start to pay; while it drafts fewer than K tokens, a round now and then drafts K
 (*explores*) so that the positions it no longer drafts are measured again. SSD engines are planned the same way, their ``D(K)`` being the
 verifier's wait for the speculator (see :func:`planner_for`). A tree is planned on or off: its round verifies all
-its nodes, and ``a_i`` is the chance that its accepted path reaches depth i (:class:`PlannerConfig`).
+its nodes, and ``a_i`` is the chance that its accepted path reaches depth i; an SD tree drafter's rounds are trees
+or chains, whichever shape is expected to run faster from what each measured (:class:`PlannerConfig` ``chains``).
 
 Costs: :func:`measure_verify_costs` times ``V(n, B)`` for n = 1..N new tokens per batch-size bucket in a few
 forwards at start-up, and :func:`measure_draft_costs` an SD neural drafter's ``D(K)`` for K = 1..N (one row; a
@@ -43,6 +44,12 @@ BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
 # chain 1.23 / 1.25 / 0.98 -> 1.28 / 1.16 / 1.17 (its worst pass 0.92 -> 1.14), planned tree 1.33 / 1.21 / 1.16 ->
 # 1.33 / 1.31 / 1.14, planned draft LM 1.04 / 0.99 / 0.95 -> 1.02 / 1.00 / 0.96.
 MIN_ROUNDS = 6
+# PlannerConfig.explore_every of a planner whose chains compete with a tree (planner_for): each shape is learnt only
+# from its own rounds, so the one not planned needs exploring sooner than a longer chain does. Simulated with
+# SmolLM2-like rates and costs (greedy rows learn chains from every tree round, greedy_chain_length), 2 requests x 64
+# tokens, 150 seeds, x AR at T = 0 / 0.5 / 1, 8 -> 4: 1.663 / 1.466 / 1.246 -> 1.664 / 1.483 / 1.327 (the better
+# shape alone: 1.747 / 1.489 / 1.392).
+SHAPE_EXPLORE_EVERY = 4
 
 
 # ----------------------------------------------------------------------------------------------------------- costs
@@ -297,6 +304,28 @@ def expected_tokens(rates: list[float]) -> float:
     return total
 
 
+def greedy_chain_length(parents: list[int], path: list[int]) -> int:
+    """Of a tree proposal verified greedily, the draft tokens a greedy chain would have had accepted: the leading
+    nodes of the accepted ``path`` (1-based node ids) that are their parent's best child, the first node with that
+    parent in the proposal's order (:func:`~ssd_eagle.drafters.tree.grow_trees` orders each depth by descending
+    score, and siblings differ only in their own log-probability), i.e. the draft's argmax, what the chain drafts
+    there. (A best child that the tree's budget cut would have been drafted by the chain: then this undercounts.)
+
+    Args:
+        parents: each node's parent (0 = the root), nodes in the proposal's order.
+        path: the accepted nodes, root to leaf.
+    """
+    best: dict[int, int] = {}
+    for node, parent in enumerate(parents, start=1):
+        best.setdefault(parent, node)
+    length = 0
+    for node in path:
+        if best.get(parents[node - 1]) != node:
+            break
+        length += 1
+    return length
+
+
 # --------------------------------------------------------------------------------------------------------- planner
 @dataclass
 class PlannerConfig:
@@ -344,10 +373,20 @@ class PlannerConfig:
             switched off for 118 of its 125 rounds (probes spaced 21+ rounds apart, each one draw): 0.97x AR, where
             the same tree unplanned ran at 1.44x. A drafter that does not pay even at the prior (most float32
             cases) is still switched off at once. 0: no such rule.
-        tree_nodes: the nodes of a tree round (0: chains). A tree is planned on or off: K is 0 or ``max_k`` (its
-            depth), a round on verifies ``tree_nodes + 1`` tokens, a probe is a whole tree, and ``a_i`` is the
-            chance that the accepted path reaches depth i given it reached i - 1 (so ``E`` is the tree's tokens per
-            round).
+        tree_nodes: the nodes of a tree round (0: chains). A tree round drafts the whole tree (K is its depth,
+            ``tree_depth``), verifies ``tree_nodes + 1`` tokens, and its ``a_i`` is the chance that the accepted
+            path reaches depth i given it reached i - 1 (so ``E`` is the tree's tokens per round); a tree is
+            planned on or off, never shallower.
+        chains: with ``tree_nodes``, chains (of 1..max_k tokens, or max_k with an explicit K) compete with the tree
+            round by round: each shape's acceptance and drafting cost are learnt from its own rounds (and a
+            greedy row's chain acceptance from its tree rounds too, :func:`greedy_chain_length`), the plan is the
+            shape and length of the highest expected rate, and the other shape runs on exploring rounds
+            (``explore_every``; chains are not explored while tree rounds teach them). A shape is planned only once
+            it has been measured (until then: the tree). Measured
+            2026-12-07 (2-core Intel Xeon with AMX, bf16, SmolLM2's EAGLE-3 head, a 6-node tree against a planned
+            chain, x AR at T = 0 / 0.5 / 1): tree 1.42 / 1.34 / 1.09, chain 1.26 / 1.32 / 1.24 (sampled rows
+            accept a tree's deterministic children less often than a chain's drafts sampled from q).
+        tree_depth: the tree's depth (0: ``max_k``).
     """
 
     max_k: int
@@ -365,62 +404,112 @@ class PlannerConfig:
     max_explore_every: int = 64
     min_rounds: int = 0
     tree_nodes: int = 0
+    chains: bool = False
+    tree_depth: int = 0
+
+
+@dataclass
+class Learnt:
+    """What the planner learns of one proposal shape (chains, or the tree) from the rounds that drafted it.
+
+    Attributes:
+        acceptance: per request id, its per-position acceptance.
+        engine_wide: the same over all requests (each request's prior).
+        draft_cost: seconds of a round's drafting against its draft length (a tree's: its depth).
+    """
+
+    acceptance: dict[str, Acceptance] = field(default_factory=dict)
+    engine_wide: Acceptance = field(default_factory=lambda: Acceptance(decay=0.98))
+    draft_cost: OnlineLine = field(default_factory=OnlineLine)
+
+    @property
+    def rounds(self) -> float:
+        """Rounds of this shape verified engine-wide (a faded count)."""
+        return self.engine_wide.tried[0] if self.engine_wide.tried else 0.0
 
 
 class Planner:
-    """Chooses each round's draft length from the cost table and the running requests' acceptance.
+    """Chooses each round's draft length, and for a tree drafter whether the round drafts the tree or a chain, from
+    the cost table and the running requests' acceptance.
 
     Call :meth:`choose` (or :meth:`decide`) before drafting a round, :meth:`observe` after verifying it,
-    :meth:`forget` when a request ends; the engine calls :meth:`plan` and :meth:`observe_round`. ``decisions``
-    counts the batch's K over rounds; :meth:`plan` also records every request's draft length and probes in its
+    :meth:`forget` when a request ends; the engine calls :meth:`plan` and :meth:`observe_round`. ``tree_round``
+    says whether the planned round is a tree. ``decisions`` counts the batch's K over rounds (``tree_rounds``
+    the rounds planned as trees); :meth:`plan` also records every request's draft length, shape and probes in its
     :class:`~ssd_eagle.stats.SpecStats` (the server's ``spec_stats``) and the engine's totals (``/metrics``).
+
+    Args:
+        config: the planner's settings.
+        costs: the target's verify times.
+        draft_costs: a chain drafter's ``{k: seconds}`` measured at start-up (:func:`measure_draft_costs`).
+        tree_draft_costs: the same for the tree (``{depth: seconds}``).
     """
 
-    def __init__(self, config: PlannerConfig, costs: CostTable, draft_costs: dict[int, float] | None = None):
+    def __init__(self, config: PlannerConfig, costs: CostTable, draft_costs: dict[int, float] | None = None,
+                 tree_draft_costs: dict[int, float] | None = None):
         self.config = config
         self.costs = costs
-        self.draft_costs = dict(draft_costs or {})  # {k: seconds} measured at start-up (measure_draft_costs)
-        self.draft_cost = self._measured_line()  # seconds of drafting for a round vs its draft length
+        self.draft_costs = {False: dict(draft_costs or {}), True: dict(tree_draft_costs or {})}
+        self.chain, self.tree = Learnt(), Learnt()
+        for tree in (False, True):
+            self.learnt(tree).draft_cost = self._measured_line(tree)
+        self.tree_round = self.shapes()[-1]  # the planned round's shape
         self.warm_rounds_left = config.warm_rounds  # the drafter's warm-up rounds, not learnt
         self.probing = False  # the planned round is a probe (its drafting time is not learnt)
         self.verify_scale = 1.0  # measured verify time / table prediction (EMA)
         self.catch_up_cost = 0.0  # seconds a drafter spends catching up on the rounds it skipped (EMA over probes)
-        self.acceptance: dict[str, Acceptance] = {}
-        self.engine_wide = Acceptance(decay=0.98)
         self.idle_rounds: dict[str, int] = {}
         self.probe_interval: dict[str, int] = {}
         self.decisions: dict[int, int] = {}
+        self.tree_rounds = 0  # rounds planned as trees (exploring rounds included)
         self.explored = 0  # exploring rounds run (:meth:`explore`)
         self.drafted_rounds = 0  # verified rounds that drafted (the evidence :meth:`learning` counts)
-        self._plain_k = 0  # the last planned K before exploration
+        self.chains_inferred = False  # the last tree round taught chains' acceptance too (greedy rows)
+        self._plain = (0, self.tree_round)  # the last plan before exploration
         self._since_explore = 0
         self._explore_interval = config.explore_every
 
-    def _measured_line(self) -> OnlineLine:
+    def learnt(self, tree: bool) -> Learnt:
+        """What was learnt of the tree (True) or of chains (False)."""
+        return self.tree if tree else self.chain
+
+    def shapes(self) -> tuple[bool, ...]:
+        """The shapes a round may take: chains (False), the tree (True), or both (:class:`PlannerConfig`)."""
+        if not self.config.tree_nodes:
+            return (False,)
+        return (False, True) if self.config.chains else (True,)
+
+    def lengths(self, tree: bool) -> list[int]:
+        """The draft lengths a round of this shape may plan (a tree: its depth only)."""
+        cfg = self.config
+        if tree:
+            return [cfg.tree_depth or cfg.max_k]
+        return list(range(1, cfg.max_k + 1)) if cfg.choose_k else [cfg.max_k]
+
+    def _measured_line(self, tree: bool) -> OnlineLine:
         """The drafting-cost line as the start-up measure gives it (empty without one); rounds then update it."""
         line = OnlineLine()
-        for k, seconds in sorted(self.draft_costs.items()):
+        for k, seconds in sorted(self.draft_costs[tree].items()):
             line.update(k, seconds)
         return line
 
-    def round_time(self, k: int, batch: int) -> float:
+    def round_time(self, k: int, batch: int, tree: bool = False) -> float:
         """Predicted seconds of a round drafting ``k`` tokens (a tree: ``k`` levels) for ``batch`` rows."""
-        learnt = self.draft_cost.n >= self.config.min_cost_rounds
-        draft = self.draft_cost.predict(k, default=0.0) if k and learnt else 0.0
-        width = self.config.tree_nodes + 1 if k and self.config.tree_nodes else k + 1
+        line = self.learnt(tree).draft_cost
+        draft = line.predict(k, default=0.0) if k and line.n >= self.config.min_cost_rounds else 0.0
+        width = self.config.tree_nodes + 1 if k and tree else k + 1
         return self.verify_scale * self.costs.verify_time(width, batch) + draft
 
-    @property
-    def probe_k(self) -> int:
-        """Draft length of a probe (a tree's: its whole depth)."""
-        cfg = self.config
-        return cfg.max_k if cfg.tree_nodes else min(cfg.probe_k, cfg.max_k)
+    def probe_length(self, tree: bool) -> int:
+        """Draft length of a probe of this shape (a tree's: its whole depth)."""
+        return self.lengths(True)[0] if tree else min(self.config.probe_k, self.config.max_k)
 
-    def rate(self, k: int, request_ids: list[str]) -> float:
-        """Expected emitted tokens per second for the batch at draft length ``k``."""
-        prior = self.engine_wide.rates(max(k, 1), weight=2.0)
-        tokens = sum(expected_tokens(self.acceptance.get(r, Acceptance()).rates(k, prior)) for r in request_ids)
-        return tokens / self.round_time(k, len(request_ids))
+    def rate(self, k: int, request_ids: list[str], tree: bool = False) -> float:
+        """Expected emitted tokens per second for the batch at draft length ``k`` (of a tree, when ``tree``)."""
+        learnt = self.learnt(tree)
+        prior = learnt.engine_wide.rates(max(k, 1), weight=2.0)
+        tokens = sum(expected_tokens(learnt.acceptance.get(r, Acceptance()).rates(k, prior)) for r in request_ids)
+        return tokens / self.round_time(k, len(request_ids), tree)
 
     def choose(self, request_ids: list[str]) -> dict[str, int]:
         """Draft length per request for the next round (0 = plain decoding for that request)."""
@@ -428,21 +517,26 @@ class Planner:
 
     def decide(self, request_ids: list[str]) -> dict[str, tuple[int, bool]]:
         """``{request_id: (draft length, probe)}`` for the next round: the batch's K (0 = plain decoding), or for a
-        request whose speculation is off a ``probe_k`` probe now and then (``probe`` True; see
-        :class:`PlannerConfig`)."""
+        request whose speculation is off a probe now and then (``probe`` True; see :class:`PlannerConfig`).
+        ``tree_round`` is set to the round's shape."""
         cfg = self.config
+        shapes = self.shapes()
         if not cfg.adaptive or cfg.max_k == 0 or not request_ids:
-            k = cfg.max_k
+            tree = shapes[-1]
+            k = self.lengths(tree)[-1]
         else:
-            candidates = range(cfg.max_k + 1) if cfg.choose_k and not cfg.tree_nodes else (0, cfg.max_k)
-            rates = {c: self.rate(c, request_ids) for c in candidates}
-            k = max(candidates[1:], key=lambda c: (rates[c], -c))  # off only where plain decoding clearly wins
-            if rates[0] > (1.0 + cfg.off_margin) * rates[k] and not self.learning(k, request_ids):
+            measured = [t for t in shapes if self.learnt(t).rounds > 0] or [shapes[-1]]  # (until measured: the tree)
+            rates = {(c, t): self.rate(c, request_ids, t) for t in measured for c in self.lengths(t)}
+            k, tree = max(rates, key=lambda c: (rates[c], -c[0]))  # (a tie: the shorter draft)
+            if self.rate(0, request_ids) > (1.0 + cfg.off_margin) * rates[k, tree] \
+                    and not self.learning(k, request_ids, tree):
                 k = 0
-            k = self.explore(k, len(request_ids))
+            k, tree = self.explore(k, tree, len(request_ids))
+        self.tree_round = tree
         self.decisions[k] = self.decisions.get(k, 0) + 1
+        self.tree_rounds += bool(k and tree)
         out = {}
-        spacing = self.probe_spacing(len(request_ids)) if k == 0 and cfg.adaptive else 1
+        spacing = self.probe_spacing(len(request_ids), tree) if k == 0 and cfg.adaptive else 1
         for r in request_ids:
             if k == 0 and cfg.adaptive:
                 backoff = self.probe_interval.get(r, cfg.probe_every)
@@ -451,59 +545,74 @@ class Planner:
                 if probe:
                     self.probe_interval[r] = min(2 * backoff, max(cfg.max_probe_every, cfg.probe_every))
                 self.idle_rounds[r] = 0 if probe else idle
-                out[r] = (self.probe_k, True) if probe else (0, False)
+                out[r] = (self.probe_length(tree), True) if probe else (0, False)
             else:
                 self.idle_rounds[r] = 0
                 self.probe_interval.pop(r, None)
                 out[r] = (k, False)
         return out
 
-    def learning(self, k: int, request_ids: list[str]) -> bool:
+    def learning(self, k: int, request_ids: list[str], tree: bool = False) -> bool:
         """Whether the planner is still learning: fewer than ``min_rounds`` drafted rounds were verified, and drafting
-        ``k`` tokens pays at the prior acceptance (every ``a_i`` = 0.5). Speculation then stays on
-        (:class:`PlannerConfig`)."""
+        ``k`` tokens (of a tree, when ``tree``) pays at the prior acceptance (every ``a_i`` = 0.5). Speculation then
+        stays on (:class:`PlannerConfig`)."""
         if self.drafted_rounds >= self.config.min_rounds:
             return False
-        prior = expected_tokens(Acceptance().rates(k)) / self.round_time(k, len(request_ids))
-        return prior > (1.0 + self.config.off_margin) / self.round_time(0, len(request_ids))
+        batch = len(request_ids)
+        prior = expected_tokens(Acceptance().rates(k)) / self.round_time(k, batch, tree)
+        return prior > (1.0 + self.config.off_margin) / self.round_time(0, batch)
 
-    def explore(self, k: int, batch: int = 1) -> int:
-        """The planned ``k``, or ``max_k`` on an exploring round (:class:`PlannerConfig` ``explore_every``), spaced
-        like probes so that their extra time is at most ``probe_overhead`` of the plan's."""
+    def explore(self, k: int, tree: bool, batch: int = 1) -> tuple[int, bool]:
+        """The planned ``(k, tree)``, or on an exploring round (:class:`PlannerConfig` ``explore_every``) what the
+        plan does not measure: the longest chain after a shorter one, the tree after chains and chains after the
+        tree (a middle chain alternates the two), spaced like probes so that their extra time is at most
+        ``probe_overhead`` of the plan's."""
         cfg = self.config
-        if k != self._plain_k:  # a new plan: explore soon again
-            self._plain_k, self._since_explore, self._explore_interval = k, 0, cfg.explore_every
-        if not cfg.explore_every or not 0 < k < cfg.max_k:
-            return k
+        if (k, tree) != self._plain:  # a new plan: explore soon again
+            self._plain, self._since_explore, self._explore_interval = (k, tree), 0, cfg.explore_every
+        others = []  # what the plan leaves unmeasured
+        if k and not tree and k < cfg.max_k:
+            others.append((cfg.max_k, False))
+        if k and not tree and True in self.shapes():
+            others.append((self.lengths(True)[0], True))
+        if k and tree and False in self.shapes() and not self.chains_inferred:
+            others.append((cfg.max_k, False))
+        if not cfg.explore_every or not others:
+            return k, tree
         self._since_explore += 1
         if self._since_explore < self._explore_interval:
-            return k
-        planned = self.round_time(k, batch)
-        extra = self.round_time(cfg.max_k, batch) - planned
+            return k, tree
+        other = others[self.explored % len(others)]
+        planned = self.round_time(k, batch, tree)
+        extra = self.round_time(other[0], batch, other[1]) - planned
         if planned > 0 and self._since_explore < extra / (cfg.probe_overhead * planned) - 1e-9:
-            return k
+            return k, tree
         self._since_explore = 0
         self._explore_interval = min(2 * self._explore_interval, max(cfg.max_explore_every, cfg.explore_every))
         self.explored += 1
-        return cfg.max_k
+        return other
 
     def new_drafter(self) -> None:
         """A restarted drafter (a respawned SSD speculator): forget the drafting cost learnt from the old one, whose
         last rounds waited on a dead or hung process, and probe every request again soon (acceptance is kept: the
         draft model is the same)."""
-        self.draft_cost, self.warm_rounds_left = self._measured_line(), self.config.warm_rounds
+        for tree in (False, True):
+            self.learnt(tree).draft_cost = self._measured_line(tree)
+        self.warm_rounds_left = self.config.warm_rounds
         self.probe_interval.clear()
         self.idle_rounds.clear()
 
-    def probe_spacing(self, batch: int) -> int:
-        """Fewest rounds between a request's probes for them to cost at most ``probe_overhead`` of the time of
-        plain decoding (from the cost table and the learnt drafting cost)."""
+    def probe_spacing(self, batch: int, tree: bool | None = None) -> int:
+        """Fewest rounds between a request's probes (of this shape; default: the planned round's) for them to cost
+        at most ``probe_overhead`` of the time of plain decoding (from the cost table and the learnt drafting
+        cost)."""
+        tree = self.tree_round if tree is None else tree
         plain = self.round_time(0, batch)
-        extra = self.round_time(self.probe_k, batch) - plain + self.catch_up_cost
+        extra = self.round_time(self.probe_length(tree), batch, tree) - plain + self.catch_up_cost
         return max(1, math.ceil(extra / (self.config.probe_overhead * plain) - 1e-9)) if plain > 0 else 1
 
     def observe(self, drafted: dict[str, tuple[int, int]], draft_seconds: float, verify_seconds: float,
-                width: int, catch_up_seconds: float = 0.0, probe: bool = False) -> None:
+                width: int, catch_up_seconds: float = 0.0, probe: bool = False, tree: bool | None = None) -> None:
         """Learn from a verified round.
 
         Args:
@@ -517,24 +626,28 @@ class Planner:
                 counted in the probes' spacing.
             probe: the round was a probe: its acceptance is learnt, its drafting time is not (an SSD probe is
                 drafted by the backup after idle rounds, and a stale cost of it kept speculation off for good).
+            tree: the round's shape as planned (default: ``tree_round``); what it teaches goes to that shape's
+                :class:`Learnt` (an SSD tree's miss answered by an n-gram chain teaches the tree's mean wait).
         """
         if not drafted:
             return
+        tree = self.tree_round if tree is None else tree
+        learnt = self.learnt(tree)
         if catch_up_seconds > 0 and self.config.learn_costs:
             self.catch_up_cost = 0.7 * self.catch_up_cost + 0.3 * catch_up_seconds if self.catch_up_cost \
                 else catch_up_seconds
             draft_seconds -= catch_up_seconds
         for r, (n, k) in drafted.items():
-            self.acceptance.setdefault(r, Acceptance()).record(n, k)
-            self.engine_wide.record(n, k)
+            learnt.acceptance.setdefault(r, Acceptance()).record(n, k)
+            learnt.engine_wide.record(n, k)
         self.drafted_rounds += any(n > 0 for n, _ in drafted.values())
         if not self.config.learn_costs:
             return
         longest = max(n for n, _ in drafted.values())
-        if longest and self.config.tree_nodes:  # a tree grows all its levels whatever depth its best nodes reach
-            longest = self.config.max_k
+        if longest and tree:  # a tree grows all its levels whatever depth its best nodes reach
+            longest = self.lengths(True)[0]
         if longest and not self.warm_rounds_left and not probe:
-            self.draft_cost.update(longest, draft_seconds)
+            learnt.draft_cost.update(longest, draft_seconds)
         if longest:
             self.warm_rounds_left = max(self.warm_rounds_left - 1, 0)
         predicted = self.costs.verify_time(width, len(drafted))
@@ -548,8 +661,9 @@ class Planner:
         plan = self.decide([s.request_id for s in seqs])
         self.probing = any(probe for _, probe in plan.values())
         for seq in seqs:
+            k, probe = plan[seq.request_id]
             for stats in (seq.stats, totals) if totals is not None else (seq.stats,):
-                stats.record_plan(*plan[seq.request_id])
+                stats.record_plan(k, probe, tree=bool(k) and self.tree_round)
         return [min(b, plan[s.request_id][0]) for s, b in zip(seqs, budgets)]
 
     def observe_round(self, seqs: list, proposals: list, paths: list[list[int]], draft_seconds: float,
@@ -558,17 +672,31 @@ class Planner:
         drafted = {s.request_id: (p.depth, len(path)) for s, p, path in zip(seqs, proposals, paths)}
         width = 1 + max((len(p.tokens) for p in proposals), default=0)
         self.observe(drafted, draft_seconds, verify_seconds, width, catch_up_seconds, self.probing)
+        self.chains_inferred = False
+        if self.tree_round and False in self.shapes():  # greedy rows: what a chain would have accepted, for free
+            inferred = {s.request_id: (p.depth, greedy_chain_length(p.parents, path))
+                        for s, p, path in zip(seqs, proposals, paths) if s.params.greedy and p.parents is not None}
+            for r, (n, k) in inferred.items():
+                self.chain.acceptance.setdefault(r, Acceptance()).record(n, k)
+                self.chain.engine_wide.record(n, k)
+            self.chains_inferred = len(inferred) == len(seqs)
 
     def forget(self, request_id: str) -> None:
-        self.acceptance.pop(request_id, None)
+        for learnt in (self.chain, self.tree):
+            learnt.acceptance.pop(request_id, None)
         self.idle_rounds.pop(request_id, None)
         self.probe_interval.pop(request_id, None)
 
     def summary(self) -> dict:
-        """JSON-ready planner state: rounds per chosen K (exploring rounds included), the exploring rounds and the
-        engine-wide acceptance per position."""
-        return {"k_decisions": dict(sorted(self.decisions.items())), "explored": self.explored,
-                "acceptance_per_position": [round(a, 4) for a in self.engine_wide.rates(self.config.max_k)]}
+        """JSON-ready planner state: rounds per chosen K (exploring rounds included), the rounds planned as trees,
+        the exploring rounds and the engine-wide acceptance per position of each shape measured (a tree's: the
+        chance that its accepted path reaches each depth)."""
+        out = {"k_decisions": dict(sorted(self.decisions.items())), "tree_rounds": self.tree_rounds,
+               "explored": self.explored}
+        for tree in self.shapes():
+            name = "tree_acceptance_per_depth" if tree else "acceptance_per_position"
+            out[name] = [round(a, 4) for a in self.learnt(tree).engine_wide.rates(self.lengths(tree)[-1])]
+        return out
 
 
 def planner_for(engine, spec) -> Planner | None:
@@ -579,11 +707,12 @@ def planner_for(engine, spec) -> Planner | None:
 
     K in 0..K is the planner's to choose unless ``num_speculative_tokens`` was given explicitly (then only 0 or K),
     for SD and SSD alike; a tree (``tree_budget``) is planned on or off (:class:`PlannerConfig`), so that a tree
-    whose drafts do not pay falls back to plain decoding too. For SSD the round's ``draft_seconds`` is the
-    verifier's wait for the speculator: about nothing on a cache hit and a backup drafting k tokens on a miss, so
-    the learnt line ``d0 + d1 k`` is the mean wait ``(1 - p) D_backup(k)`` at the measured hit rate p, and the
-    planner picks the k that maximises
-    ``E(k) / (V(k + 1) + wait(k))``, which is SD's rule with SD's draft time replaced by SSD's wait: wherever a
+    whose drafts do not pay falls back to plain decoding too, and in SD chains compete with it round by round
+    (``chains``; the drafter is told each round's shape, :meth:`~ssd_eagle.drafters.base.Drafter.set_shape`). For
+    SSD the round's ``draft_seconds`` is the verifier's wait for the speculator: about nothing on a cache hit and a
+    backup drafting k tokens on a miss, so the learnt line ``d0 + d1 k`` is the mean wait ``(1 - p) D_backup(k)`` at
+    the measured hit rate p, and the planner picks the k that maximises ``E(k) / (V(k + 1) + wait(k))``, which is
+    SD's rule with SD's draft time replaced by SSD's wait: wherever a
     hit saves drafting, SSD's plan is at least SD's. The speculator still builds K-chains (its fan-out and time
     budget are sized for K); a reply is cut to the planned k (a prefix of a cached chain is still a proposal).
     While off, the verifier sends the speculator nothing (the outcomes go, merged, with the next request) and the
@@ -602,12 +731,17 @@ def planner_for(engine, spec) -> Planner | None:
     if isinstance(getattr(engine.drafter, "speculator", None), LocalSpeculator):
         return None
     tree = spec.tree_settings()
-    k = tree.depth if tree is not None else spec.num_speculative_tokens
+    chains = tree is None or mode == "sd"  # (an SD tree drafter drafts chains too; an SSD speculator builds trees)
+    k = spec.num_speculative_tokens if chains else tree.depth
     costs = measure_verify_costs(engine.target, spec.max_draft_tokens + 1, engine.max_num_seqs)
     backend = getattr(engine.drafter, "backend", None)  # (an SD neural drafter's; SSD's wait is learnt online)
-    draft_costs = measure_draft_costs(backend, k, tree) if mode == "sd" and isinstance(backend, DraftBackend) \
-        else None
+    measure = mode == "sd" and isinstance(backend, DraftBackend)
+    draft_costs = measure_draft_costs(backend, k) if measure and chains else None
+    tree_costs = measure_draft_costs(backend, tree.depth, tree) if measure and tree is not None else None
     choose_k = "num_speculative_tokens" not in spec.model_fields_set
+    mixed = tree is not None and chains
     return Planner(PlannerConfig(max_k=k, choose_k=choose_k, tree_nodes=tree.budget if tree else 0,
+                                 chains=mixed, tree_depth=tree.depth if tree else 0,
+                                 explore_every=SHAPE_EXPLORE_EVERY if mixed else PlannerConfig.explore_every,
                                  warm_rounds=3 if mode == "ssd" else 1, min_cost_rounds=3.5 if mode == "ssd" else 0.0,
-                                 min_rounds=MIN_ROUNDS), costs, draft_costs)
+                                 min_rounds=MIN_ROUNDS), costs, draft_costs, tree_costs)

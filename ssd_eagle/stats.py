@@ -51,6 +51,8 @@ class SpecStats:
         planned_k: rounds per draft length the planner (:mod:`ssd_eagle.planner`) gave the request, K = 0 (plain
             decoding) included, probes under their probe length; empty without a planner.
         num_probes: rounds in which a request the planner had switched off drafted a short probe.
+        planned_trees: rounds in which the planner gave the request its drafter's tree (of those in ``planned_k``
+            with K > 0; the others drafted chains).
         fanout_built: branches the speculation cache held at the lookups (the fan-out actually built, summed).
         fanout_power: the speculator's fitted r at the last lookup (``fanout_power: "auto"``; None before its fit).
         rounds_on_fast_backup: rounds on a miss whose drafts the fast (n-gram) backup made (``backup: fast``, or
@@ -77,15 +79,17 @@ class SpecStats:
     prefill_time: float = 0.0
     planned_k: dict[int, int] = field(default_factory=dict)
     num_probes: int = 0
+    planned_trees: int = 0
     fanout_built: int = 0
     fanout_power: float | None = None
     rounds_on_fast_backup: int = 0
 
-    def record_plan(self, k: int, probe: bool) -> None:
+    def record_plan(self, k: int, probe: bool, tree: bool = False) -> None:
         """Record the planner's draft length ``k`` for one request's round (``probe``: a probe of a request whose
-        speculation was off)."""
+        speculation was off; ``tree``: the round drafts a tree of depth ``k``)."""
         self.planned_k[k] = self.planned_k.get(k, 0) + 1
         self.num_probes += probe
+        self.planned_trees += tree
 
     def record_round(self, num_drafted: int, num_accepted: int, num_emitted: int) -> None:
         """Record one round: ``num_drafted`` proposed, ``num_accepted`` accepted (k), ``num_emitted`` emitted."""
@@ -144,8 +148,8 @@ class SpecStats:
         """Add ``other``'s counters into this one (in place) and return self."""
         for name in ("num_rounds", "num_emitted", "num_drafted", "num_accepted", "cache_lookups", "cache_hits",
                      "emitted_on_hit", "rounds_on_hit", "emitted_on_miss", "rounds_on_miss", "wait_on_hit",
-                     "wait_on_miss", "verify_time", "draft_time", "prefill_time", "num_probes", "fanout_built",
-                     "rounds_on_fast_backup"):
+                     "wait_on_miss", "verify_time", "draft_time", "prefill_time", "num_probes", "planned_trees",
+                     "fanout_built", "rounds_on_fast_backup"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         if other.fanout_power is not None:
             self.fanout_power = other.fanout_power
@@ -158,9 +162,9 @@ class SpecStats:
 
     def summary(self) -> dict:
         """A JSON-ready dict of the headline figures (the server's ``spec_stats`` field). With a planner it adds
-        ``planned_rounds_per_k`` (``{K: rounds}``, K = 0 included), ``rounds_without_speculation`` (rounds at K = 0)
-        and ``probes``; with speculation cache lookups, the hit rates and the verifier's mean wait per round on hits
-        and on misses in milliseconds (``wait_on_hit_ms``, ``wait_on_miss_ms``; None without such rounds), the
+        ``planned_rounds_per_k`` (``{K: rounds}``, K = 0 included), ``rounds_without_speculation`` (rounds at K = 0),
+        ``probes`` and ``planned_tree_rounds`` (rounds that drafted a tree); with speculation cache lookups, the hit
+        rates and the verifier's mean wait per round on hits and on misses in milliseconds (``wait_on_hit_ms``, ``wait_on_miss_ms``; None without such rounds), the
         misses the fast backup answered (``rounds_on_fast_backup``, of ``rounds_on_miss``), the branches the cache
         held per lookup (``fanout_per_lookup``) and the fitted r (``fanout_power``, None unless
         ``fanout_power: "auto"`` has fitted it)."""
@@ -189,4 +193,5 @@ class SpecStats:
             out["planned_rounds_per_k"] = dict(sorted(self.planned_k.items()))
             out["rounds_without_speculation"] = self.planned_k.get(0, 0)
             out["probes"] = self.num_probes
+            out["planned_tree_rounds"] = self.planned_trees
         return out

@@ -12,17 +12,18 @@ from ssd_eagle.engine.llm import LLM
 from ssd_eagle.engine.llm_engine import LLMEngine
 from ssd_eagle.sampling_params import SamplingParams
 from ssd_eagle.planner import (MIN_ROUNDS, Acceptance, CostTable, OnlineLine, Planner, PlannerConfig,
-                               expected_tokens, measure_draft_costs, measure_verify_costs)
+                               expected_tokens, greedy_chain_length, measure_draft_costs, measure_verify_costs)
 
 
 def planner_with(verify: list[float], rate: float, max_k: int = 5, rounds: int = 200, **kw) -> Planner:
     """A planner whose one request has accepted each position with probability ``rate`` (exact counts)."""
     planner = Planner(PlannerConfig(max_k=max_k, **kw), CostTable({1: verify}))
+    learnt = planner.learnt(planner.shapes()[-1])  # (a tree's, for a tree planner)
     acc = Acceptance(decay=1.0)
     acc.tried = [float(rounds)] * max_k
     acc.accepted = [rate * rounds] * max_k
-    planner.acceptance["r"] = acc
-    planner.engine_wide = acc
+    learnt.acceptance["r"] = acc
+    learnt.engine_wide = acc
     return planner
 
 
@@ -62,10 +63,57 @@ def test_a_tree_is_planned_on_or_off_at_its_width():
     says); V(9) = 3.5 V(1): 0.84 tokens per V(1), so plain decoding; a probe is a whole tree."""
     flat = planner_with([1.0] * 9, rate=0.8, max_k=3, tree_nodes=8)
     assert flat.config.choose_k and flat.choose(["r"]) == {"r": 3}
-    assert flat.rate(3, ["r"]) == pytest.approx(2.952, rel=1e-3)
+    assert flat.rate(3, ["r"], tree=True) == pytest.approx(2.952, rel=1e-3)
     steep = planner_with([1.0] * 8 + [3.5], rate=0.8, max_k=3, tree_nodes=8, probe_every=2, probe_overhead=10.0)
-    assert steep.rate(3, ["r"]) == pytest.approx(2.952 / 3.5, rel=1e-3) and steep.probe_k == 3
+    assert steep.rate(3, ["r"], tree=True) == pytest.approx(2.952 / 3.5, rel=1e-3) and steep.probe_length(True) == 3
     assert [steep.decide(["r"])["r"] for _ in range(3)] == [(0, False), (3, True), (0, False)]
+
+
+def measured_planner(chain_rate: float, tree_rate: float, **kw) -> Planner:
+    """A depth-3, 6-node tree drafter whose chains compete (chains of 1..3), flat verification up to 7 tokens, free
+    drafting; one request whose chains accept each position with ``chain_rate`` and whose tree reaches each depth
+    with ``tree_rate`` (exact counts)."""
+    planner = Planner(PlannerConfig(max_k=3, tree_nodes=6, chains=True, **kw), CostTable({1: [1.0] * 7}))
+    for tree, rate in ((False, chain_rate), (True, tree_rate)):
+        acc = Acceptance(tried=[200.0] * 3, accepted=[200.0 * rate] * 3, decay=1.0)
+        planner.learnt(tree).acceptance["r"] = acc
+        planner.learnt(tree).engine_wide = acc
+    return planner
+
+
+def test_an_sd_tree_drafter_drafts_the_shape_that_pays():
+    """Greedy rows, where the tree reaches each depth with 0.8 (E = 1 + 0.8 + 0.64 + 0.512 = 2.952) and a chain
+    accepts each position with 0.6 (E(3) = 1 + 0.6 + 0.36 + 0.216 = 2.176), at the same verify cost: the tree.
+    Sampled rows, where the tree's deterministic children match less often than a chain sampled from q (0.5 against
+    0.8: E = 1.875 against 2.952): a chain of 3. Verification that costs 1.5 s past 4 tokens makes a 7-token tree
+    round dearer than a 3-chain's (2.952 / 1.5 < 2.176 / 1): the chain again."""
+    greedy = measured_planner(chain_rate=0.6, tree_rate=0.8)
+    assert greedy.choose(["r"]) == {"r": 3} and greedy.tree_round
+    assert greedy.rate(3, ["r"], tree=True) == pytest.approx(2.952, rel=1e-3)
+    assert greedy.rate(3, ["r"]) == pytest.approx(2.176, rel=1e-3)
+    sampled = measured_planner(chain_rate=0.8, tree_rate=0.5)
+    assert sampled.choose(["r"]) == {"r": 3} and not sampled.tree_round
+    wide = measured_planner(chain_rate=0.6, tree_rate=0.8)
+    wide.costs = CostTable({1: [1.0] * 4 + [1.5] * 3})
+    assert wide.choose(["r"]) == {"r": 3} and not wide.tree_round
+    assert greedy.summary()["tree_rounds"] == 1 and sampled.summary()["tree_rounds"] == 0
+
+
+def test_chains_are_measured_on_exploring_rounds_and_take_over_where_they_pay():
+    """A tree drafter starts with its tree (chains unmeasured); round 8 explores a chain of max_k, which accepts
+    everything where the tree reached depth 1 only: chains become the plan, and the tree is explored in its turn
+    (8 and 24 rounds after the switch: the interval doubles while the plan holds)."""
+    planner = Planner(PlannerConfig(max_k=3, tree_nodes=6, chains=True, probe_overhead=1.0),
+                      CostTable({1: [1.0] * 7}))
+    shapes = []
+    for _ in range(40):
+        k = planner.choose(["r"])["r"]
+        tree = planner.tree_round
+        shapes.append("tree" if tree else f"chain{k}")
+        planner.observe({"r": (k, 1 if tree else k)}, 0.0, 1.0, 7 if tree else k + 1)
+    assert shapes[:7] == ["tree"] * 7 and shapes[7] == "chain3" and shapes[8:15] == ["chain3"] * 7
+    assert [i for i, s in enumerate(shapes) if s == "tree" and i > 7] == [15, 31]
+    assert planner.tree_rounds == 9 and planner.explored == 3
 
 
 def test_not_adaptive_always_drafts_k():
@@ -77,7 +125,7 @@ def test_draft_cost_counts():
     # flat verification but a draft step as expensive as a verification: K = 1 costs 2 s for 1.9 tokens
     planner = planner_with([1.0] * 6, rate=0.9)
     for k in range(1, 6):
-        planner.draft_cost.update(k, 1.0 * k)
+        planner.chain.draft_cost.update(k, 1.0 * k)
     assert planner.choose(["r"]) == {"r": 0}
 
 
@@ -88,7 +136,7 @@ def test_speculation_is_switched_off_only_where_plain_decoding_wins_by_the_margi
     for per_token, expected in ((0.005, 1), (0.02, 0)):
         planner = planner_with([1.0] * 6, rate=0.0)
         for k in range(1, 6):
-            planner.draft_cost.update(k, per_token * k)
+            planner.chain.draft_cost.update(k, per_token * k)
         assert planner.choose(["r"]) == {"r": expected}
 
 
@@ -98,14 +146,14 @@ def test_the_drafters_first_round_and_probes_teach_acceptance_but_not_the_drafti
     tree off for a whole prompt)."""
     planner = Planner(PlannerConfig(max_k=4, min_cost_rounds=3.5), CostTable({1: [1.0] * 5}))
     planner.observe({"r": (4, 1)}, 0.047, 1.0, 5)  # warm-up: not learnt
-    assert planner.draft_cost.predict(4) == 0.0
+    assert planner.chain.draft_cost.predict(4) == 0.0
     planner.observe({"r": (4, 1)}, 0.015, 1.0, 5)
     planner.observe({"r": (4, 4)}, 0.060, 1.0, 5, probe=True)
-    assert planner.draft_cost.predict(4) == pytest.approx(0.015) and planner.draft_cost.n == 1
+    assert planner.chain.draft_cost.predict(4) == pytest.approx(0.015) and planner.chain.draft_cost.n == 1
     assert planner.round_time(4, 1) == 1.0  # (drafting counts as free until min_cost_rounds rounds taught it)
     planner.config.min_cost_rounds = 0.0  # (SD's default: learnt from the first round after the warm-up)
     assert planner.round_time(4, 1) == pytest.approx(1.015)
-    acceptance = planner.acceptance["r"]
+    acceptance = planner.chain.acceptance["r"]
     assert acceptance.tried[0] == pytest.approx(1 + 0.9 * (1 + 0.9)) and acceptance.accepted[3] == 1
 
 
@@ -127,7 +175,7 @@ def test_an_ssd_speculators_cold_rounds_do_not_switch_a_paying_tree_off():
             planner.observe({"r": (k, accepted if k else 0)}, wait if k else 0.0, 0.080 if k else 0.050, 7 if k else 1)
         assert (0 in ks[5:]) == expected_off, ks
         if not expected_off:
-            assert planner.draft_cost.predict(5) == pytest.approx(0.011, abs=0.002)  # the mean wait past warm-up
+            assert planner.tree.draft_cost.predict(5) == pytest.approx(0.011, abs=0.002)  # the mean wait past warm-up
 
 
 def test_a_drafter_that_never_matches_ends_in_plain_decoding_and_a_probe_brings_a_good_one_back():
@@ -215,7 +263,7 @@ def test_probes_are_spaced_to_cost_at_most_probe_overhead():
     assert planner.probe_spacing(1) == 30
     probes = [i for i in range(100) if planner.decide(["r"])["r"][1]]
     assert probes == [29, 59, 89]
-    planner.draft_cost.update(2, 0.4)  # drafting the probe costs 0.4 s more
+    planner.chain.draft_cost.update(2, 0.4)  # drafting the probe costs 0.4 s more
     assert planner.probe_spacing(1) == 50
     planner.config.probe_overhead = 1.0
     assert planner.probe_spacing(1) == 1
@@ -294,12 +342,13 @@ def test_a_tree_with_a_short_cache_builds_its_engine():
     from helpers import make_byte_tokenizer, noisy_copy
 
     target = make_tiny_llama(seed=3).double()
-    for tree, expected in ({"tree_budget": 16, "tree_depth": 5, "tree_topk": 4}, {5}), ({}, {1, 2, 3, 4, 5}):
+    chains = {1, 2, 3, 4, 5}
+    for tree, expected in ({"tree_budget": 16, "tree_depth": 5, "tree_topk": 4}, (chains, {5})), ({}, (chains, set())):
         spec = SpeculativeConfig(method="draft_model", model="d", **tree)
         config = EngineConfig(model="in-memory", mode="sd", max_num_seqs=2, max_model_len=16, dtype="float64",
                               speculative_config=spec)
         engine = build(config, target=target, tokenizer=make_byte_tokenizer(), draft=noisy_copy(target, 0.05))
-        assert set(engine.planner.draft_costs) == set(expected)
+        assert (set(engine.planner.draft_costs[False]), set(engine.planner.draft_costs[True])) == expected
 
 def test_a_measured_drafting_cost_plans_the_first_round():
     """Flat verification (1 s), drafting 0.3 s a token, no acceptance seen yet (every a_i at the prior 0.5):
@@ -309,7 +358,7 @@ def test_a_measured_drafting_cost_plans_the_first_round():
     assert measured.choose(["r"]) == {"r": 1}
     assert measured.round_time(3, 1) == pytest.approx(1.9)
     assert Planner(PlannerConfig(max_k=5), CostTable({1: [1.0] * 6})).choose(["r"]) == {"r": 5}
-    measured.draft_cost.update(1, 5.0)  # a respawned drafter starts again from the measure, not from nothing
+    measured.chain.draft_cost.update(1, 5.0)  # a respawned drafter starts again from the measure, not from nothing
     measured.new_drafter()
     assert measured.round_time(1, 1) == pytest.approx(1.3)
 
@@ -402,11 +451,12 @@ def test_planner_for_measures_costs_for_sd_chains_and_trees(byte_tokenizer, tmp_
     assert not planner_for(engine, SpeculativeConfig(method="ngram", num_speculative_tokens=3)).config.choose_k
     assert planner_for(engine, SpeculativeConfig(method="ngram", adaptive=False)) is None
     tree = planner_for(engine, SpeculativeConfig(method="draft_model", model="d", tree_budget=8, tree_depth=4))
-    assert tree.config.tree_nodes == 8 and tree.config.max_k == 4 and len(tree.costs.verify[1]) == 9
-    assert planner.draft_costs == {}  # (an n-gram lookup has no draft model to time: learnt online)
+    assert tree.config.tree_nodes == 8 and tree.config.tree_depth == 4 and len(tree.costs.verify[1]) == 9
+    assert tree.config.chains and tree.config.max_k == 5  # (SD: chains of up to K compete with the tree)
+    assert planner.draft_costs == {False: {}, True: {}}  # (an n-gram lookup has no draft model to time: learnt online)
     neural = LLMEngine(target, byte_tokenizer, make_drafter("noisy", target, 2), num_speculative_tokens=3,
                        max_num_seqs=2, max_model_len=256)
-    assert sorted(planner_for(neural, SpeculativeConfig(method="draft_model", model="d")).draft_costs) == \
+    assert sorted(planner_for(neural, SpeculativeConfig(method="draft_model", model="d")).draft_costs[False]) == \
         [1, 2, 3, 4, 5]
 
 
@@ -419,7 +469,7 @@ def test_ssd_is_planned_by_sds_rule_on_its_wait_and_drafts_longer_than_sd_when_h
         planner = planner_with([0.03] * 6, rate=0.6, learn_costs=False)
         for _ in range(20):  # the learnt line: what the engine's rounds teach it (draft time or wait vs k)
             for k in (1, 3, 5):
-                planner.draft_cost.update(k, per_token * k)
+                planner.chain.draft_cost.update(k, per_token * k)
         best[name] = planner.choose(["r"])["r"], planner.rate(planner.choose(["r"])["r"], ["r"])
     assert best["sd"][0] == 2 and best["ssd"][0] == 4
     assert best["sd"][1] == pytest.approx(1.96 / 0.046, rel=1e-3)
@@ -549,6 +599,50 @@ def test_with_each_drafter_a_useless_one_ends_in_plain_decoding_and_a_good_one_c
     assert engine.stats.planned_k == {k: bad.stats.planned_k.get(k, 0) + good.stats.planned_k.get(k, 0)
                                       for k in set(bad.stats.planned_k) | set(good.stats.planned_k)}
     assert engine.stats.num_probes == bad.stats.num_probes + good.stats.num_probes
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_a_tree_drafter_under_the_planner_drafts_trees_and_chains_and_stays_exact(temperature, byte_tokenizer):
+    """The draft model's tree drafter (the target's copy: always right) with chains competing, verification
+    cheaper for a chain of 4 (5 tokens) than for the 6-node tree (7): its first round is a tree. Greedy rows teach
+    chains' acceptance from every tree round (:func:`greedy_chain_length`), so the second drafted round is already a
+    chain; sampled rows learn it on an exploring round (after a probe and seven trees). The drafter is told the shape;
+    greedy output equals the target's greedy decode; ``spec_stats`` counts the tree rounds."""
+    target = cycle_target()
+    drafter = real_drafter("draft_model_tree", target, byte_tokenizer)
+    shapes = []
+    propose = drafter.propose
+
+    def recording(seqs, num_tokens):
+        out = propose(seqs, num_tokens)
+        shapes.extend("tree" if p.parents is not None else "chain" for p in out if p.tokens)
+        return out
+
+    drafter.propose = recording
+    engine = LLMEngine(target, byte_tokenizer, drafter, num_speculative_tokens=CYCLE_K, max_num_seqs=1,
+                       max_model_len=256, max_draft_tokens=6)
+    engine.planner = Planner(PlannerConfig(max_k=CYCLE_K, tree_nodes=6, chains=True, learn_costs=False,
+                                           probe_overhead=1.0), CHEAP_VERIFY)
+    prompt = list(b"Hey \xc3\xa9")
+    try:
+        out = LLM(engine=engine).generate([prompt], SamplingParams(temperature=temperature, max_tokens=60,
+                                                                   seed=3))[0]
+    finally:
+        engine.close()
+    if temperature == 0:
+        assert out.token_ids == reference_greedy(target, prompt, 60)
+        assert shapes[:2] == ["tree", "chain"]
+    else:
+        assert len(out.token_ids) == 60 and shapes[:9] == ["tree"] * 8 + ["chain"]
+    s = out.stats.summary()
+    assert s["planned_tree_rounds"] == shapes.count("tree") and engine.stats.planned_trees == shapes.count("tree")
+
+
+def test_greedy_chain_length_follows_best_children():
+    """Tree: 1, 2 children of the root (1 its best), 3, 4 of node 1 (3 its best), 5 of node 2, 6 of node 3. A greedy
+    chain drafts 1, 3, 6: accepted path [1, 3, 6] -> 3, [1, 4] -> 1, [2, 5] -> 0, [] -> 0."""
+    parents = [0, 0, 1, 1, 2, 3]
+    assert [greedy_chain_length(parents, path) for path in ([1, 3, 6], [1, 4], [2, 5], [])] == [3, 1, 0, 0]
 
 
 def test_planner_for_plans_ssd_chains_as_sd_and_not_an_in_line_speculator(byte_tokenizer, tmp_path, monkeypatch):

@@ -4,6 +4,7 @@ chunk), over all requests in ``/metrics`` (see :mod:`inference.metrics`)."""
 from __future__ import annotations
 
 from fastapi.testclient import TestClient
+from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from _server_helpers import make_engine, parse_sse
@@ -64,3 +65,18 @@ def test_metrics_histogram_of_the_chosen_k_when_drafts_pay():
     assert _metric(text, p + "spec_planned_draft_length_sum") == K * stats["rounds"]
     assert _metric(text, p + "spec_rounds_without_speculation_total") == 0
     assert _metric(text, p + "spec_probes_total") == 0
+    assert _metric(text, p + "spec_planned_tree_rounds_total") == stats["planned_tree_rounds"] == 0  # (n-gram chains)
+
+
+def test_metrics_count_the_rounds_planned_as_trees():
+    """The engine's totals as a tree drafter's planner leaves them: tree rounds counted once, as they grow."""
+    from inference.metrics import ServerMetrics
+    from ssd_eagle.stats import SpecStats
+
+    metrics, totals = ServerMetrics(), SpecStats()
+    for k, tree in ((3, True), (3, True), (2, False), (0, False), (3, True)):
+        totals.record_plan(k, probe=False, tree=tree)
+        metrics.observe_step(totals, 1, True)
+    text = generate_latest(metrics.registry).decode()
+    assert _metric(text, "ssd_eagle_spec_planned_tree_rounds_total") == totals.planned_trees == 3
+    assert totals.summary()["planned_tree_rounds"] == 3

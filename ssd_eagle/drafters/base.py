@@ -143,6 +143,10 @@ class Drafter(ABC):
     def remove_sequence(self, seq) -> None:
         """Forget ``seq``."""
 
+    def set_shape(self, tree: bool) -> None:
+        """The planner's shape for the next round (:mod:`ssd_eagle.planner`): a drafter configured for trees
+        proposes its tree (True) or a chain (False); others ignore it."""
+
     def set_token_budget(self, tokens: int) -> None:
         """The engine's ``max_num_batched_tokens``: a drafter catching up on many tokens forwards at most this many
         at a time."""

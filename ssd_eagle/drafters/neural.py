@@ -115,11 +115,15 @@ class NeuralDrafter(Drafter):
         self.aux_layer_ids = backend.aux_layer_ids
         self.saguaro = saguaro
         self.tree = tree
+        self.grow_tree = True  # the planner's shape for the next round (set_shape)
         self.token_budget = token_budget
         self.states: dict[str, _State] = {}
 
     def set_token_budget(self, tokens: int) -> None:
         self.token_budget = tokens
+
+    def set_shape(self, tree: bool) -> None:
+        self.grow_tree = tree
 
     def prefill(self, seq, aux: list[torch.Tensor] | None) -> None:
         st = self.states.setdefault(seq.request_id, _State(0))
@@ -174,7 +178,7 @@ class NeuralDrafter(Drafter):
         states = [self.states[s.request_id] for s in row_seqs]
         drafts = draft_from_committed(self.backend, row_seqs, [st.num_cached for st in states],
                                       [st.features(self.backend) for st in states], [num_tokens[i] for i in rows],
-                                      self.saguaro, self.tree)
+                                      self.saguaro, self.tree if self.grow_tree else None)
         for i, seq, st, draft in zip(rows, row_seqs, states, drafts):
             n = len(seq.token_ids)
             st.num_cached, st.pending, st.base, st.skipped = n, None, n, False

@@ -312,7 +312,11 @@ class LLMEngine:
     def _round(self, seqs: list[Sequence]) -> None:
         t0 = time.perf_counter()
         budgets = [self._draft_budget(s) for s in seqs]
-        budgets = self.planner.plan(seqs, budgets, self.stats) if self.planner is not None else budgets
+        if self.planner is not None:
+            budgets = self.planner.plan(seqs, budgets, self.stats)
+            tree = getattr(self.planner, "tree_round", None)  # (a stand-in without it leaves the shape alone)
+            if tree is not None:
+                self._call_drafter("set_shape", tree)
         # called even with zero budgets: stateful drafters track every round
         proposals = self._call_drafter("propose", seqs, budgets) or [Proposal([]) for _ in seqs]
         proposals = [p.within(b, self.max_draft_tokens) for p, b in zip(proposals, budgets)]
