@@ -74,6 +74,7 @@ class Config:
     fixed_width: bool = False  # shape-invariant: every target forward padded to K + 1 tokens (FixedWidthEngine)
     plan: bool = False  # the planner's choice (ssd_eagle.planner): K in 0..K from measured costs and acceptance
     tree_only: bool = False  # with plan: an SD tree planned on or off, no chains competing (the planner before)
+    draws: bool = False  # with plan: sampled rows teach the planner their accept/reject draws, not their chances
 
 
 class FixedWidthEngine(LLMEngine):
@@ -142,6 +143,10 @@ def configs(args) -> dict[str, Config]:
         Config("sd_eagle3_tree_plan", "sd", {"method": "eagle3", "model": head, **tree}, plan=True),
         Config("sd_eagle3_tree_only_plan", "sd", {"method": "eagle3", "model": head, **tree}, plan=True,
                tree_only=True),
+        # the planner before it learnt sampled rows' chances of acceptance (ablation)
+        Config("sd_eagle3_draws_plan", "sd", {"method": "eagle3", "model": head}, plan=True, draws=True),
+        Config("sd_eagle3_tree_draws_plan", "sd", {"method": "eagle3", "model": head, **tree}, plan=True,
+               draws=True),
         Config("ssd_eagle3_tree_plan", "ssd", {**e3, "tree_budget": "auto", "fanout_budget": B}, plan=True),
         Config("hf_assisted", "hf", hf="assisted"),
         Config("hf_lookup", "hf", hf="lookup"),
@@ -305,6 +310,11 @@ def main() -> None:
     report(rows, ranks, backups, out_dir, args, describe_line("cpu", dtype))
 
 
+def drop_chances(observe_round):
+    """A planner's ``observe_round`` that learns sampled rows' draws, not their chances of acceptance."""
+    return lambda *args, chances=None, **kwargs: observe_round(*args, **kwargs)
+
+
 def run_config(cfg: Config, args, model, tokenizer, prompts, temps: list[float], ranks: dict,
                backups: dict) -> dict[float, dict]:
     """One run of configuration ``cfg`` at every temperature (its drafter built for it and closed after); an SSD
@@ -336,6 +346,8 @@ def run_config(cfg: Config, args, model, tokenizer, prompts, temps: list[float],
             engine.planner = planner_for(engine, spec)
             if cfg.tree_only:
                 engine.planner.config.chains, engine.planner.tree_round = False, True
+            if cfg.draws:
+                engine.planner.observe_round = drop_chances(engine.planner.observe_round)
         out[temp] = run_engine(engine, prompts, params, record_top2=cfg.mode == "ar" and temp == 0)
     if cfg.mode == "ssd":
         try:  # (a speculator that failed mid-run was replaced by ordinary decoding: its rows show that)

@@ -283,6 +283,18 @@ class Acceptance:
             self.tried[i] = self.decay * self.tried[i] + 1.0
             self.accepted[i] = self.decay * self.accepted[i] + (1.0 if i < num_accepted else 0.0)
 
+    def record_chances(self, chances: list[float]) -> None:
+        """Record a round by the chance each tried position had to be accepted (positions ``1..len(chances)``
+        tried), not by what was drawn: the same expectation, with less variance (a sampled row's rejection test,
+        :func:`~ssd_eagle.verify.chain_acceptance_probs`)."""
+        need = len(chances) - len(self.tried)
+        if need > 0:
+            self.tried += [0.0] * need
+            self.accepted += [0.0] * need
+        for i, chance in enumerate(chances):
+            self.tried[i] = self.decay * self.tried[i] + 1.0
+            self.accepted[i] = self.decay * self.accepted[i] + chance
+
     def rates(self, k: int, prior: list[float] | None = None, weight: float = 2.0, default: float = 0.5) -> list[float]:
         """``[a_1 .. a_k]``; positions never tried take the prior (or the last known rate, or ``default``)."""
         out = []
@@ -612,7 +624,8 @@ class Planner:
         return max(1, math.ceil(extra / (self.config.probe_overhead * plain) - 1e-9)) if plain > 0 else 1
 
     def observe(self, drafted: dict[str, tuple[int, int]], draft_seconds: float, verify_seconds: float,
-                width: int, catch_up_seconds: float = 0.0, probe: bool = False, tree: bool | None = None) -> None:
+                width: int, catch_up_seconds: float = 0.0, probe: bool = False, tree: bool | None = None,
+                chances: dict[str, list[float]] | None = None) -> None:
         """Learn from a verified round.
 
         Args:
@@ -628,6 +641,10 @@ class Planner:
                 drafted by the backup after idle rounds, and a stale cost of it kept speculation off for good).
             tree: the round's shape as planned (default: ``tree_round``); what it teaches goes to that shape's
                 :class:`Learnt` (an SSD tree's miss answered by an n-gram chain teaches the tree's mean wait).
+            chances: for sampled rows, the chance each tried position had to be accepted
+                (:meth:`Acceptance.record_chances`), learnt instead of ``drafted``'s draw. Simulated with
+                SmolLM2-like rates, 2 requests x 64 tokens at T = 1 (0.5): a planned chain 1.392 -> 1.431 (1.489 ->
+                1.517) x AR, chains competing with a tree 1.327 -> 1.401 (1.483 -> 1.507).
         """
         if not drafted:
             return
@@ -637,9 +654,13 @@ class Planner:
             self.catch_up_cost = 0.7 * self.catch_up_cost + 0.3 * catch_up_seconds if self.catch_up_cost \
                 else catch_up_seconds
             draft_seconds -= catch_up_seconds
+        chances = chances or {}
         for r, (n, k) in drafted.items():
-            learnt.acceptance.setdefault(r, Acceptance()).record(n, k)
-            learnt.engine_wide.record(n, k)
+            for acceptance in (learnt.acceptance.setdefault(r, Acceptance()), learnt.engine_wide):
+                if r in chances:
+                    acceptance.record_chances(chances[r])
+                else:
+                    acceptance.record(n, k)
         self.drafted_rounds += any(n > 0 for n, _ in drafted.values())
         if not self.config.learn_costs:
             return
@@ -667,11 +688,13 @@ class Planner:
         return [min(b, plan[s.request_id][0]) for s, b in zip(seqs, budgets)]
 
     def observe_round(self, seqs: list, proposals: list, paths: list[list[int]], draft_seconds: float,
-                      verify_seconds: float, catch_up_seconds: float = 0.0) -> None:
-        """The engine's hook after verifying: learn from the round (a tree row as its depth and accepted path)."""
+                      verify_seconds: float, catch_up_seconds: float = 0.0,
+                      chances: dict[str, list[float]] | None = None) -> None:
+        """The engine's hook after verifying: learn from the round (a tree row as its depth and accepted path;
+        ``chances``: see :meth:`observe`)."""
         drafted = {s.request_id: (p.depth, len(path)) for s, p, path in zip(seqs, proposals, paths)}
         width = 1 + max((len(p.tokens) for p in proposals), default=0)
-        self.observe(drafted, draft_seconds, verify_seconds, width, catch_up_seconds, self.probing)
+        self.observe(drafted, draft_seconds, verify_seconds, width, catch_up_seconds, self.probing, chances=chances)
         self.chains_inferred = False
         if self.tree_round and False in self.shapes():  # greedy rows: what a chain would have accepted, for free
             inferred = {s.request_id: (p.depth, greedy_chain_length(p.parents, path))

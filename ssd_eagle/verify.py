@@ -100,6 +100,48 @@ def rejection_verify(
     return k, bonus
 
 
+def chain_acceptance_probs(p: torch.Tensor, q: torch.Tensor | None, draft_tokens: torch.Tensor) -> torch.Tensor:
+    """The chance that rejection sampling accepts each draft of a chain given the drafts before it were accepted,
+    ``sum_x min(p_i(x), q_i(x))`` (Leviathan et al. 2023, Sec. 3.3: the expected acceptance of a draft sampled from
+    ``q_i``), ``p_i(d_i)`` for a point mass (``q`` None). A lower-variance measure of acceptance than the accept or
+    reject it draws (the cost planner learns from it, :mod:`ssd_eagle.planner`).
+
+    Args:
+        p: target probabilities [B, K+1, V] (or [B, K, V]); q: draft probabilities [B, K, V] or None.
+        draft_tokens: int64 [B, K].
+
+    Returns:
+        float [B, K].
+    """
+    K = draft_tokens.shape[1]
+    if q is None:
+        return p[:, :K].gather(-1, draft_tokens[..., None]).squeeze(-1)
+    return torch.minimum(p[:, :K], q).sum(dim=-1)
+
+
+def tree_reach_probs(probs: torch.Tensor, nodes: list[int], parents: list[int], path: list[int]) -> list[float]:
+    """The chance, at the root and at each node of the accepted ``path`` (as :func:`tree_verify` returned it), that
+    the walk continues to a child: ``sum_{children c of u} p_u(c)`` (:func:`tree_verify`), up to the first node
+    without children.
+
+    Args:
+        probs: processed target probabilities [n, V] for the root (index 0) and the nodes.
+        nodes / parents: the tree, as for :func:`tree_verify`.
+
+    Returns:
+        One probability per depth reached: at most ``len(path) + 1``.
+    """
+    children: dict[int, set[int]] = {}
+    for token, parent in zip(nodes, parents):
+        children.setdefault(parent, set()).add(token)
+    out = []
+    for u in [0] + path:
+        if u not in children:
+            break
+        out.append(float(probs[u, list(children[u])].sum()))
+    return out
+
+
 def saguaro_scale(q: torch.Tensor, C: float, fanout: int | torch.Tensor) -> torch.Tensor:
     """Saguaro sampling's draft distribution: scale the top-(F+1) probabilities by C and renormalise.
 

@@ -645,6 +645,40 @@ def test_greedy_chain_length_follows_best_children():
     assert [greedy_chain_length(parents, path) for path in ([1, 3, 6], [1, 4], [2, 5], [])] == [3, 1, 0, 0]
 
 
+def test_sampled_rows_teach_the_chance_of_acceptance_not_the_draw(byte_tokenizer):
+    """At T = 1 the target's own copy as the draft model (q = p) is accepted with chance 1 at every tried position
+    (the first min(k + 1, n) of a chain): the engine hands the planner those chances, learnt in place of the draws;
+    greedy rows teach the draws. By hand: chances (0.5, 0.25) after a round with prior counts."""
+    acc = Acceptance(tried=[1.0, 0.0], accepted=[1.0, 0.0], decay=0.5)
+    acc.record_chances([0.5, 0.25, 0.75])
+    assert acc.tried == [1.5, 1.0, 1.0] and acc.accepted == [1.0, 0.25, 0.75]
+
+    class Recording(Planner):
+        def observe_round(self, seqs, proposals, paths, *args, chances=None, **kwargs):
+            seen.append(([len(p.tokens) for p in proposals], [len(path) for path in paths], chances))
+            super().observe_round(seqs, proposals, paths, *args, chances=chances, **kwargs)
+
+    target = cycle_target()
+    for temperature in (1.0, 0.0):
+        seen = []
+        engine = LLMEngine(target, byte_tokenizer, real_drafter("draft_model", target, byte_tokenizer),
+                           num_speculative_tokens=CYCLE_K, max_num_seqs=1, max_model_len=256)
+        engine.planner = Recording(PlannerConfig(max_k=CYCLE_K, learn_costs=False), CHEAP_VERIFY)
+        try:
+            LLM(engine=engine).generate([list(b"Hey")], SamplingParams(temperature=temperature, max_tokens=30,
+                                                                       seed=5))
+        finally:
+            engine.close()
+        drafted = [(n, k, c) for n, k, c in seen if n[0]]
+        assert drafted
+        for (n,), (k,), chances in drafted:
+            if temperature:
+                (chance,) = chances.values()
+                assert len(chance) == min(k + 1, n) and chance == pytest.approx([1.0] * len(chance), abs=1e-6)
+            else:
+                assert chances == {}
+
+
 def test_planner_for_plans_ssd_chains_as_sd_and_not_an_in_line_speculator(byte_tokenizer, tmp_path, monkeypatch):
     """SSD is planned as SD is (issue 13): K in 0..K from the measured costs (its draft time being the verifier's
     wait), only on/off with an explicit K; an in-line speculator is not planned."""

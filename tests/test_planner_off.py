@@ -38,7 +38,8 @@ class Scripted:
         self.rounds += 1
         return [min(b, k) for b in budgets]
 
-    def observe_round(self, seqs, proposals, paths, draft_seconds, verify_seconds, catch_up_seconds=0.0):
+    def observe_round(self, seqs, proposals, paths, draft_seconds, verify_seconds, catch_up_seconds=0.0,
+                      chances=None):
         self.catch_ups.append(catch_up_seconds)
 
     def forget(self, request_id):

@@ -171,3 +171,33 @@ def test_sample_is_exact_never_picks_zero_mass_and_keeps_rows_independent():
     batched = sample(torch.stack([torch.rand(6), p.float()]), [torch.Generator().manual_seed(1),
                                                                 torch.Generator().manual_seed(5)])
     assert int(alone[0]) == int(batched[1])
+
+
+def test_chain_acceptance_probs_is_the_rate_rejection_sampling_accepts_at():
+    """sum_x min(p, q): by hand for p = (.5, .3, .2), q = (.2, .5, .3), 0.2 + 0.3 + 0.2 = 0.7; a point mass: p(d).
+    Drafts drawn from q and tested by :func:`rejection_verify` are accepted at that rate (20000 rows: within 4
+    standard errors)."""
+    from ssd_eagle.verify import chain_acceptance_probs
+
+    p = torch.tensor([[[0.5, 0.3, 0.2], [0.2, 0.2, 0.6]]])
+    q = torch.tensor([[[0.2, 0.5, 0.3]]])
+    d = torch.tensor([[1]])
+    assert chain_acceptance_probs(p, q, d).tolist() == [[pytest.approx(0.7)]]
+    assert chain_acceptance_probs(p, None, d).tolist() == [[pytest.approx(0.3)]]
+    n = 20_000
+    gen = torch.Generator().manual_seed(0)
+    drafts = torch.multinomial(q[0, 0].expand(n, 3), 1, generator=gen)
+    k, _ = rejection_verify(p.expand(n, -1, -1), q.expand(n, -1, -1), drafts, torch.ones(n, dtype=torch.long),
+                            [torch.Generator().manual_seed(i) for i in range(n)])
+    assert abs(k.float().mean().item() - 0.7) < 4 * (0.7 * 0.3 / n) ** 0.5
+
+
+def test_tree_reach_probs_sums_the_targets_mass_on_each_nodes_children():
+    """Root children tokens 1, 2 (nodes 1, 2); node 1's child token 0 (node 3); node 3 a leaf. Path [1, 3]: at the
+    root p(1) + p(2), at node 1 p(0), node 3 has no children (stop)."""
+    from ssd_eagle.verify import tree_reach_probs
+
+    probs = torch.tensor([[0.1, 0.5, 0.2, 0.2], [0.6, 0.1, 0.1, 0.2], [0.25] * 4, [0.25] * 4])
+    reach = tree_reach_probs(probs, nodes=[1, 2, 0], parents=[0, 0, 1], path=[1, 3])
+    assert reach == [pytest.approx(0.7), pytest.approx(0.6)]
+    assert tree_reach_probs(probs, [1, 2, 0], [0, 0, 1], []) == [pytest.approx(0.7)]

@@ -37,7 +37,8 @@ from ssd_eagle.prefix_cache import PrefixCache, feed_reused_prefix
 from ssd_eagle.sampling import SamplingTensors, logits_to_probs, sample
 from ssd_eagle.sampling_params import SamplingParams
 from ssd_eagle.stats import SpecStats
-from ssd_eagle.verify import greedy_verify, rejection_verify, tree_verify
+from ssd_eagle.verify import (chain_acceptance_probs, greedy_verify, rejection_verify, tree_reach_probs,
+                              tree_verify)
 
 log = logging.getLogger(__name__)
 
@@ -330,13 +331,14 @@ class LLMEngine:
             batch = ForwardBatch.causal([[s.token_ids[-1]] + p.tokens for s, p in zip(seqs, proposals)], slots,
                                         starts, self.target.dtype, self.target.device)
         out = self._verify_forward(batch)
-        paths, bonus = self._verify(seqs, proposals, out.logits)
+        paths, bonus, expected = self._verify(seqs, proposals, out.logits)
         t2 = time.perf_counter()
         self.stats.draft_time += t1 - t0
         self.stats.verify_time += t2 - t1
         if self.planner is not None:  # (the drafter's catch-up on skipped rounds is learnt apart from drafting)
             catch_up = getattr(self.drafter, "catch_up_seconds", 0.0) if self.drafter is not None else 0.0
-            self.planner.observe_round(seqs, proposals, paths, t1 - t0, t2 - t1, catch_up)
+            self.planner.observe_round(seqs, proposals, paths, t1 - t0, t2 - t1, catch_up,
+                                       chances={seqs[i].request_id: chance for i, chance in expected.items()})
         for row, (seq, p) in enumerate(zip(seqs, proposals)):
             path = paths[row]
             k = len(path)
@@ -364,12 +366,16 @@ class LLMEngine:
         return self.target.forward(batch, capture_aux=self.needs_aux)
 
     def _verify(self, seqs: list[Sequence], proposals: list[Proposal],
-                logits: torch.Tensor) -> tuple[list[list[int]], list[int]]:
-        """Accepted node path (1-based; a chain accepting k gives ``[1..k]``) and bonus token of every row."""
+                logits: torch.Tensor) -> tuple[list[list[int]], list[int], dict[int, list[float]]]:
+        """Accepted node path (1-based; a chain accepting k gives ``[1..k]``) and bonus token of every row, and for
+        the sampled rows that drafted the chance each tried position had to be accepted (a chain's first
+        ``min(k + 1, n)`` drafts, :func:`~ssd_eagle.verify.chain_acceptance_probs`; a tree's depths reached,
+        :func:`~ssd_eagle.verify.tree_reach_probs`), by row: what the planner learns acceptance from."""
         B, n = logits.shape[:2]
         device = logits.device
         paths: list[list[int]] = [[] for _ in range(B)]
         bonus = [0] * B
+        expected: dict[int, list[float]] = {}
         trees = [i for i, p in enumerate(proposals) if p.parents is not None]
         chains = [i for i, p in enumerate(proposals) if p.parents is None]
         for i in trees:
@@ -378,8 +384,10 @@ class LLMEngine:
                 probs = logits_to_probs(logits[i: i + 1], SamplingTensors.from_params([seqs[i].params], device))[0]
             paths[i], bonus[i] = tree_verify(logits[i], proposals[i].tokens, proposals[i].parents, probs,
                                              seqs[i].generator)
+            if probs is not None and self.planner is not None:
+                expected[i] = tree_reach_probs(probs, proposals[i].tokens, proposals[i].parents, paths[i])
         if not chains:
-            return paths, bonus
+            return paths, bonus, expected
         drafts = torch.zeros(B, n - 1, dtype=torch.long)
         for row in chains:
             drafts[row, : len(proposals[row].tokens)] = torch.tensor(proposals[row].tokens, dtype=torch.long)
@@ -405,10 +413,16 @@ class LLMEngine:
                         q[j, torch.arange(len(prop.tokens)), drafts[i, : len(prop.tokens)]] = 1.0
             accepted[sampled], bonus_t[sampled] = rejection_verify(
                 p, q, drafts[sampled], num_draft[sampled], [seqs[i].generator for i in sampled])
+            if self.planner is not None:
+                chance = chain_acceptance_probs(p, q, drafts[sampled]).tolist()
+                for j, (i, k) in enumerate(zip(sampled, accepted[sampled].tolist())):
+                    tried = min(k + 1, len(proposals[i].tokens))
+                    if tried:
+                        expected[i] = chance[j][:tried]
         accepted, bonus_t = accepted.tolist(), bonus_t.tolist()
         for i in chains:
             paths[i], bonus[i] = list(range(1, accepted[i] + 1)), bonus_t[i]
-        return paths, bonus
+        return paths, bonus, expected
 
     # bookkeeping
     def _append(self, seq: Sequence, tokens: list[int], logits: torch.Tensor) -> int:
