@@ -73,7 +73,7 @@ class Config:
     hf: str | None = None  # "assisted" or "lookup"
     fixed_width: bool = False  # shape-invariant: every target forward padded to K + 1 tokens (FixedWidthEngine)
     plan: bool = False  # the planner's choice (ssd_eagle.planner): K in 0..K from measured costs and acceptance
-    tree_only: bool = False  # with plan: an SD tree planned on or off, no chains competing (the planner before)
+    tree_only: bool = False  # with plan: an SD tree planned on or off only, no chains competing (ablation)
     draws: bool = False  # with plan: sampled rows teach the planner their accept/reject draws, not their chances
 
 

@@ -62,8 +62,9 @@ class SpeculativeConfig(ConfigModel):
     adaptive: bool = Field(True, description="SD and SSD: a planner measures the target's verify cost per width "
                            "and the running requests' acceptance, and drafts the K that maximises tokens/s, or nothing "
                            "when drafts do not pay (SSD: its draft time is the verifier's wait for the speculator; an "
-                           "explicit K fixes the length; the planner still decides whether to speculate; a tree is "
-                           "planned on or off; an in-line SSD speculator is not planned). false: always draft K")
+                           "explicit K fixes the length; the planner still decides whether to speculate; an SSD tree "
+                           "is planned on or off, an SD tree drafter drafts its tree or a chain, whichever pays more; "
+                           "an in-line SSD speculator is not planned). false: always draft K")
     # a 1-token match is right too rarely to pay for verifying 5 tokens
     prompt_lookup_min: int = Field(2, ge=1, description="shortest n-gram suffix matched (ngram)")
     prompt_lookup_max: int = Field(4, ge=1, description="longest n-gram suffix matched (ngram)")

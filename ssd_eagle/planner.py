@@ -11,10 +11,11 @@ tokens per row, where ``a_i`` is the probability that draft position i is accept
 ``sum_rows E_row(K) / T(K)``; K = 0 (plain decoding) competes on the same footing, so a drafter that does not pay
 is switched off. While off, a request *probes* (a short draft now and then, less often while probes fail) so that
 speculation comes back when drafts start to pay; while it drafts fewer than K tokens, a round now and then drafts K
-(*explores*) so that the positions it no longer drafts are measured again. SSD engines are planned the same way, their ``D(K)`` being the
-verifier's wait for the speculator (see :func:`planner_for`). A tree is planned on or off: its round verifies all
-its nodes, and ``a_i`` is the chance that its accepted path reaches depth i; an SD tree drafter's rounds are trees
-or chains, whichever shape is expected to run faster from what each measured (:class:`PlannerConfig` ``chains``).
+(*explores*) so that the positions it no longer drafts are measured again. SSD engines are planned the same way,
+their ``D(K)`` being the verifier's wait for the speculator (see :func:`planner_for`). A tree round verifies all
+its nodes, and its ``a_i`` is the chance that its accepted path reaches depth i; an SSD tree is planned on or off,
+an SD tree drafter's rounds are trees or chains, whichever shape is expected to run faster from what each measured
+(:class:`PlannerConfig` ``chains``). Sampled rows teach each tried position's chance of acceptance, not the draw.
 
 Costs: :func:`measure_verify_costs` times ``V(n, B)`` for n = 1..N new tokens per batch-size bucket in a few
 forwards at start-up, and :func:`measure_draft_costs` an SD neural drafter's ``D(K)`` for K = 1..N (one row; a
@@ -46,8 +47,8 @@ BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
 MIN_ROUNDS = 6
 # PlannerConfig.explore_every of a planner whose chains compete with a tree (planner_for): each shape is learnt only
 # from its own rounds, so the one not planned needs exploring sooner than a longer chain does. Simulated with
-# SmolLM2-like rates and costs (greedy rows learn chains from every tree round, greedy_chain_length), 2 requests x 64
-# tokens, 150 seeds, x AR at T = 0 / 0.5 / 1, 8 -> 4: 1.663 / 1.466 / 1.246 -> 1.664 / 1.483 / 1.327 (the better
+# SmolLM2-like rates and costs (greedy rows learn chains from every tree round, greedy_chain_record), 2 requests x
+# 64 tokens, 150 seeds, x AR at T = 0 / 0.5 / 1, 8 -> 4: 1.663 / 1.466 / 1.246 -> 1.664 / 1.483 / 1.327 (the better
 # shape alone: 1.747 / 1.489 / 1.392).
 SHAPE_EXPLORE_EVERY = 4
 
@@ -316,26 +317,28 @@ def expected_tokens(rates: list[float]) -> float:
     return total
 
 
-def greedy_chain_length(parents: list[int], path: list[int]) -> int:
-    """Of a tree proposal verified greedily, the draft tokens a greedy chain would have had accepted: the leading
-    nodes of the accepted ``path`` (1-based node ids) that are their parent's best child, the first node with that
-    parent in the proposal's order (:func:`~ssd_eagle.drafters.tree.grow_trees` orders each depth by descending
-    score, and siblings differ only in their own log-probability), i.e. the draft's argmax, what the chain drafts
-    there. (A best child that the tree's budget cut would have been drafted by the chain: then this undercounts.)
+def greedy_chain_record(parents: list[int], path: list[int]) -> tuple[int, int]:
+    """Of a tree proposal verified greedily, what a greedy chain would have shown, as ``(tried, accepted)`` for
+    :meth:`Acceptance.record`: its drafts are the best child of each node (the first node with that parent in the
+    proposal's order: :func:`~ssd_eagle.drafters.tree.grow_trees` orders each depth by descending score, and
+    siblings differ only in their own log-probability), so it would have had accepted the leading nodes of the
+    accepted ``path`` that are best children, and been rejected at the next position if the node there has
+    children (its best child is not the target's token). A node without children (the tree's depth, or a best child
+    cut by the tree's budget) says nothing of the chain's next draft: that position counts as not tried.
 
     Args:
         parents: each node's parent (0 = the root), nodes in the proposal's order.
-        path: the accepted nodes, root to leaf.
+        path: the accepted nodes (1-based ids), root to leaf.
     """
     best: dict[int, int] = {}
     for node, parent in enumerate(parents, start=1):
         best.setdefault(parent, node)
-    length = 0
+    accepted, last = 0, 0
     for node in path:
         if best.get(parents[node - 1]) != node:
-            break
-        length += 1
-    return length
+            return accepted + 1, accepted  # the chain drafted the best child: the target's token differs
+        accepted, last = accepted + 1, node
+    return (accepted + 1 if last in best else accepted), accepted
 
 
 # --------------------------------------------------------------------------------------------------------- planner
@@ -391,7 +394,7 @@ class PlannerConfig:
             planned on or off, never shallower.
         chains: with ``tree_nodes``, chains (of 1..max_k tokens, or max_k with an explicit K) compete with the tree
             round by round: each shape's acceptance and drafting cost are learnt from its own rounds (and a
-            greedy row's chain acceptance from its tree rounds too, :func:`greedy_chain_length`), the plan is the
+            greedy row's chain acceptance from its tree rounds too, :func:`greedy_chain_record`), the plan is the
             shape and length of the highest expected rate, and the other shape runs on exploring rounds
             (``explore_every``; chains are not explored while tree rounds teach them). A shape is planned only once
             it has been measured (until then: the tree). Measured
@@ -542,11 +545,11 @@ class Planner:
             k, tree = max(rates, key=lambda c: (rates[c], -c[0]))  # (a tie: the shorter draft)
             if self.rate(0, request_ids) > (1.0 + cfg.off_margin) * rates[k, tree] \
                     and not self.learning(k, request_ids, tree):
-                k = 0
+                k = 0  # (probes try a shape never measured, the tree first: a tree off at once hid chains for good)
+                tree = next((t for t in reversed(shapes) if self.learnt(t).rounds == 0), tree)
             k, tree = self.explore(k, tree, len(request_ids))
         self.tree_round = tree
         self.decisions[k] = self.decisions.get(k, 0) + 1
-        self.tree_rounds += bool(k and tree)
         out = {}
         spacing = self.probe_spacing(len(request_ids), tree) if k == 0 and cfg.adaptive else 1
         for r in request_ids:
@@ -562,6 +565,7 @@ class Planner:
                 self.idle_rounds[r] = 0
                 self.probe_interval.pop(r, None)
                 out[r] = (k, False)
+        self.tree_rounds += tree and any(n for n, _ in out.values())
         return out
 
     def learning(self, k: int, request_ids: list[str], tree: bool = False) -> bool:
@@ -697,12 +701,13 @@ class Planner:
         self.observe(drafted, draft_seconds, verify_seconds, width, catch_up_seconds, self.probing, chances=chances)
         self.chains_inferred = False
         if self.tree_round and False in self.shapes():  # greedy rows: what a chain would have accepted, for free
-            inferred = {s.request_id: (p.depth, greedy_chain_length(p.parents, path))
+            inferred = {s.request_id: greedy_chain_record(p.parents, path)
                         for s, p, path in zip(seqs, proposals, paths) if s.params.greedy and p.parents is not None}
             for r, (n, k) in inferred.items():
                 self.chain.acceptance.setdefault(r, Acceptance()).record(n, k)
                 self.chain.engine_wide.record(n, k)
-            self.chains_inferred = len(inferred) == len(seqs)
+            # (chains past a shallower tree's depth are still explored)
+            self.chains_inferred = len(inferred) == len(seqs) and self.lengths(True)[0] >= self.config.max_k
 
     def forget(self, request_id: str) -> None:
         for learnt in (self.chain, self.tree):
@@ -730,7 +735,7 @@ def planner_for(engine, spec) -> Planner | None:
 
     K in 0..K is the planner's to choose unless ``num_speculative_tokens`` was given explicitly (then only 0 or K),
     for SD and SSD alike; a tree (``tree_budget``) is planned on or off (:class:`PlannerConfig`), so that a tree
-    whose drafts do not pay falls back to plain decoding too, and in SD chains compete with it round by round
+    whose drafts do not pay falls back to plain decoding too, and in SD chains also compete with it round by round
     (``chains``; the drafter is told each round's shape, :meth:`~ssd_eagle.drafters.base.Drafter.set_shape`). For
     SSD the round's ``draft_seconds`` is the verifier's wait for the speculator: about nothing on a cache hit and a
     backup drafting k tokens on a miss, so the learnt line ``d0 + d1 k`` is the mean wait ``(1 - p) D_backup(k)`` at

@@ -164,8 +164,9 @@ class SpecStats:
         """A JSON-ready dict of the headline figures (the server's ``spec_stats`` field). With a planner it adds
         ``planned_rounds_per_k`` (``{K: rounds}``, K = 0 included), ``rounds_without_speculation`` (rounds at K = 0),
         ``probes`` and ``planned_tree_rounds`` (rounds that drafted a tree); with speculation cache lookups, the hit
-        rates and the verifier's mean wait per round on hits and on misses in milliseconds (``wait_on_hit_ms``, ``wait_on_miss_ms``; None without such rounds), the
-        misses the fast backup answered (``rounds_on_fast_backup``, of ``rounds_on_miss``), the branches the cache
+        rates and the verifier's mean wait per round on hits and on misses in milliseconds (``wait_on_hit_ms``,
+        ``wait_on_miss_ms``; None without such rounds), the misses the fast backup answered
+        (``rounds_on_fast_backup``, of ``rounds_on_miss``), the branches the cache
         held per lookup (``fanout_per_lookup``) and the fitted r (``fanout_power``, None unless
         ``fanout_power: "auto"`` has fitted it)."""
         out = {

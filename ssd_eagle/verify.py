@@ -121,25 +121,27 @@ def chain_acceptance_probs(p: torch.Tensor, q: torch.Tensor | None, draft_tokens
 
 def tree_reach_probs(probs: torch.Tensor, nodes: list[int], parents: list[int], path: list[int]) -> list[float]:
     """The chance, at the root and at each node of the accepted ``path`` (as :func:`tree_verify` returned it), that
-    the walk continues to a child: ``sum_{children c of u} p_u(c)`` (:func:`tree_verify`), up to the first node
-    without children.
+    the walk continues to a child: ``sum_{children c of u} p_u(c)`` (:func:`tree_verify`), 0 at a node without
+    children above the tree's depth; one entry per depth tried, as a draw-based record counts them
+    (``min(len(path) + 1, depth)``).
 
     Args:
         probs: processed target probabilities [n, V] for the root (index 0) and the nodes.
         nodes / parents: the tree, as for :func:`tree_verify`.
 
     Returns:
-        One probability per depth reached: at most ``len(path) + 1``.
+        ``min(len(path) + 1, depth)`` probabilities.
     """
-    children: dict[int, set[int]] = {}
+    children: dict[int, list[int]] = {}
+    depth = [0]
     for token, parent in zip(nodes, parents):
-        children.setdefault(parent, set()).add(token)
-    out = []
-    for u in [0] + path:
-        if u not in children:
-            break
-        out.append(float(probs[u, list(children[u])].sum()))
-    return out
+        children.setdefault(parent, []).append(token)
+        depth.append(depth[parent] + 1)
+    tried = ([0] + path)[: max(depth)]
+    mass = [probs[u, children[u]].sum() if u in children else None for u in tried]
+    values = torch.stack([m for m in mass if m is not None]).tolist() if any(m is not None for m in mass) else []
+    it = iter(values)
+    return [next(it) if m is not None else 0.0 for m in mass]
 
 
 def saguaro_scale(q: torch.Tensor, C: float, fanout: int | torch.Tensor) -> torch.Tensor:

@@ -12,7 +12,7 @@ from ssd_eagle.engine.llm import LLM
 from ssd_eagle.engine.llm_engine import LLMEngine
 from ssd_eagle.sampling_params import SamplingParams
 from ssd_eagle.planner import (MIN_ROUNDS, Acceptance, CostTable, OnlineLine, Planner, PlannerConfig,
-                               expected_tokens, greedy_chain_length, measure_draft_costs, measure_verify_costs)
+                               expected_tokens, greedy_chain_record, measure_draft_costs, measure_verify_costs)
 
 
 def planner_with(verify: list[float], rate: float, max_k: int = 5, rounds: int = 200, **kw) -> Planner:
@@ -605,7 +605,7 @@ def test_with_each_drafter_a_useless_one_ends_in_plain_decoding_and_a_good_one_c
 def test_a_tree_drafter_under_the_planner_drafts_trees_and_chains_and_stays_exact(temperature, byte_tokenizer):
     """The draft model's tree drafter (the target's copy: always right) with chains competing, verification
     cheaper for a chain of 4 (5 tokens) than for the 6-node tree (7): its first round is a tree. Greedy rows teach
-    chains' acceptance from every tree round (:func:`greedy_chain_length`), so the second drafted round is already a
+    chains' acceptance from every tree round (:func:`greedy_chain_record`), so the second drafted round is already a
     chain; sampled rows learn it on an exploring round (after a probe and seven trees). The drafter is told the shape;
     greedy output equals the target's greedy decode; ``spec_stats`` counts the tree rounds."""
     target = cycle_target()
@@ -638,45 +638,100 @@ def test_a_tree_drafter_under_the_planner_drafts_trees_and_chains_and_stays_exac
     assert s["planned_tree_rounds"] == shapes.count("tree") and engine.stats.planned_trees == shapes.count("tree")
 
 
-def test_greedy_chain_length_follows_best_children():
+def test_greedy_chain_record_follows_best_children_and_stops_where_the_tree_says_nothing():
     """Tree: 1, 2 children of the root (1 its best), 3, 4 of node 1 (3 its best), 5 of node 2, 6 of node 3. A greedy
-    chain drafts 1, 3, 6: accepted path [1, 3, 6] -> 3, [1, 4] -> 1, [2, 5] -> 0, [] -> 0."""
+    chain drafts 1, 3, 6: accepted path [1, 3, 6] -> 3 accepted, the chain's 4th position untried (node 6 has no
+    children); [1, 4] -> rejected at 2; [2, 5] -> rejected at 1; [] -> rejected at 1. A best child cut by the tree's
+    budget (node 1 of a real selection, a leaf at depth 1 of a depth-2 tree): its next position is untried, not
+    rejected (the chain would have drafted the cut child)."""
+    import math
+
+    from ssd_eagle.drafters.tree import _select
+
     parents = [0, 0, 1, 1, 2, 3]
-    assert [greedy_chain_length(parents, path) for path in ([1, 3, 6], [1, 4], [2, 5], [])] == [3, 1, 0, 0]
+    assert [greedy_chain_record(parents, path) for path in ([1, 3, 6], [1, 4], [2, 5], [])] == \
+        [(3, 3), (2, 1), (1, 0), (1, 0)]
+    log = math.log
+    pool = [(log(.5), 10, 0, 1, None), (log(.45), 11, 0, 1, None),  # (score, token, parent, depth, hidden)
+            (log(.5) + log(.1), 12, 1, 2, None),  # node 1's best child, cut by a budget of 3
+            (log(.45) + log(.9), 13, 2, 2, None)]
+    cut = _select(pool, budget=3)
+    assert cut.parents == [0, 0, 2] and greedy_chain_record(cut.parents, [1]) == (1, 1)
 
 
-def test_sampled_rows_teach_the_chance_of_acceptance_not_the_draw(byte_tokenizer):
-    """At T = 1 the target's own copy as the draft model (q = p) is accepted with chance 1 at every tried position
-    (the first min(k + 1, n) of a chain): the engine hands the planner those chances, learnt in place of the draws;
-    greedy rows teach the draws. By hand: chances (0.5, 0.25) after a round with prior counts."""
+def test_tree_chances_count_a_shallow_leaf_as_a_tried_depth():
+    """A depth-2 tree whose accepted path ends on a depth-1 leaf: depth 2 was tried with chance 0, as the draw-based
+    record counts it (its a_2 otherwise read 0.6 where the truth and the draws read 0.33)."""
+    from ssd_eagle.verify import tree_reach_probs
+
+    probs = torch.tensor([[0.1, 0.5, 0.2, 0.2], [0.6, 0.1, 0.1, 0.2], [0.25] * 4, [0.25] * 4])
+    nodes, parents = [1, 2, 0], [0, 0, 1]
+    draws, chances = Acceptance(decay=1.0), Acceptance(decay=1.0)
+    draws.record(2, 1)
+    chances.record_chances(tree_reach_probs(probs, nodes, parents, [2]))
+    assert chances.tried == draws.tried == [1.0, 1.0] and chances.accepted == [pytest.approx(0.7), 0.0]
+
+
+def test_a_tree_switched_off_at_once_still_lets_chains_be_probed():
+    """Sampled rows, verification steep past a chain's width (a 6-node tree verifies 7 tokens at 3x): the tree does
+    not pay even at the prior, so speculation goes off at once; the first probe is the tree, the next one tries the
+    shape never measured, a chain, which accepts 0.8 a position: chains become the plan (before, probes were all
+    trees and chains were never drafted)."""
+    planner = Planner(PlannerConfig(max_k=5, tree_nodes=6, chains=True, tree_depth=5, learn_costs=False,
+                                    explore_every=4, min_rounds=6, probe_overhead=1.0),
+                      CostTable({1: [1.0, 1.05, 1.1, 1.15, 1.2, 1.25, 3.0]}))  # (probes as often as backoff allows)
+    shapes = []
+    for _ in range(60):
+        k = planner.choose(["r"])["r"]
+        tree = planner.tree_round
+        shapes.append("off" if not k else "tree" if tree else "chain")
+        if k:
+            planner.observe({"r": (k, 0)}, 0.0, 1.0, 7 if tree else k + 1, probe=planner.probing,
+                            chances={"r": [0.5, 0.0] if tree else [0.8] * k})
+    assert shapes[:7] == ["off"] * 7 and shapes[7] == "tree" and shapes.index("chain") == 23  # (probes: 8, 16 apart)
+    assert shapes[24:].count("chain") > 0.85 * len(shapes[24:])  # (the tree explored now and then)
+
+
+@pytest.mark.parametrize("draft", ["copy", "noisy"])
+def test_sampled_rows_teach_the_chance_of_acceptance_not_the_draw(draft, byte_tokenizer):
+    """At T = 1 the engine hands the planner, per sampled row, the chance each tried position of the chain (the first
+    min(k + 1, n)) had to be accepted, learnt in place of the draws: 1 everywhere for the target's own copy (q = p),
+    probabilities with rejections for a noisy copy (tokens of a random target); greedy rows teach the draws. By hand:
+    chances (0.5, 0.25, 0.75) after a round with prior counts."""
     acc = Acceptance(tried=[1.0, 0.0], accepted=[1.0, 0.0], decay=0.5)
     acc.record_chances([0.5, 0.25, 0.75])
     assert acc.tried == [1.5, 1.0, 1.0] and acc.accepted == [1.0, 0.25, 0.75]
 
     class Recording(Planner):
         def observe_round(self, seqs, proposals, paths, *args, chances=None, **kwargs):
-            seen.append(([len(p.tokens) for p in proposals], [len(path) for path in paths], chances))
+            seen.append((len(proposals[0].tokens), len(paths[0]), chances))
             super().observe_round(seqs, proposals, paths, *args, chances=chances, **kwargs)
 
-    target = cycle_target()
+    if draft == "copy":
+        target = cycle_target()
+        drafter = real_drafter("draft_model", target, byte_tokenizer)
+    else:
+        target = make_tiny_llama(seed=3).double()
+        drafter = make_drafter("noisy", target, 1)
     for temperature in (1.0, 0.0):
         seen = []
-        engine = LLMEngine(target, byte_tokenizer, real_drafter("draft_model", target, byte_tokenizer),
-                           num_speculative_tokens=CYCLE_K, max_num_seqs=1, max_model_len=256)
-        engine.planner = Recording(PlannerConfig(max_k=CYCLE_K, learn_costs=False), CHEAP_VERIFY)
-        try:
-            LLM(engine=engine).generate([list(b"Hey")], SamplingParams(temperature=temperature, max_tokens=30,
-                                                                       seed=5))
-        finally:
-            engine.close()
-        drafted = [(n, k, c) for n, k, c in seen if n[0]]
+        engine = LLMEngine(target, byte_tokenizer, drafter, num_speculative_tokens=CYCLE_K, max_num_seqs=1,
+                           max_model_len=256)
+        engine.planner = Recording(PlannerConfig(max_k=CYCLE_K, choose_k=False, adaptive=False), CHEAP_VERIFY)
+        LLM(engine=engine).generate([list(b"Hey")], SamplingParams(temperature=temperature, max_tokens=40, seed=5))
+        drafted = [(n, k, c) for n, k, c in seen if n]
         assert drafted
-        for (n,), (k,), chances in drafted:
-            if temperature:
-                (chance,) = chances.values()
-                assert len(chance) == min(k + 1, n) and chance == pytest.approx([1.0] * len(chance), abs=1e-6)
-            else:
+        for n, k, chances in drafted:
+            if not temperature:
                 assert chances == {}
+                continue
+            (chance,) = chances.values()
+            assert len(chance) == min(k + 1, n) and all(0.0 <= c <= 1.0 + 1e-9 for c in chance)
+            if draft == "copy":
+                assert chance == pytest.approx([1.0] * len(chance), abs=1e-6)
+        if temperature and draft == "noisy":
+            assert any(k + 1 < n for n, k, _ in drafted)  # rejections: positions past k + 1 are not tried
+    engine.close()
 
 
 def test_planner_for_plans_ssd_chains_as_sd_and_not_an_in_line_speculator(byte_tokenizer, tmp_path, monkeypatch):
