@@ -138,10 +138,8 @@ def tree_reach_probs(probs: torch.Tensor, nodes: list[int], parents: list[int], 
         children.setdefault(parent, []).append(token)
         depth.append(depth[parent] + 1)
     tried = ([0] + path)[: max(depth)]
-    mass = [probs[u, children[u]].sum() if u in children else None for u in tried]
-    values = torch.stack([m for m in mass if m is not None]).tolist() if any(m is not None for m in mass) else []
-    it = iter(values)
-    return [next(it) if m is not None else 0.0 for m in mass]
+    mass = [probs[u, children[u]].sum() if u in children else probs.new_zeros(()) for u in tried]
+    return torch.stack(mass).tolist() if mass else []  # (one device sync per row)
 
 
 def saguaro_scale(q: torch.Tensor, C: float, fanout: int | torch.Tensor) -> torch.Tensor:

@@ -331,14 +331,14 @@ class LLMEngine:
             batch = ForwardBatch.causal([[s.token_ids[-1]] + p.tokens for s, p in zip(seqs, proposals)], slots,
                                         starts, self.target.dtype, self.target.device)
         out = self._verify_forward(batch)
-        paths, bonus, expected = self._verify(seqs, proposals, out.logits)
+        paths, bonus, chances = self._verify(seqs, proposals, out.logits)
         t2 = time.perf_counter()
         self.stats.draft_time += t1 - t0
         self.stats.verify_time += t2 - t1
         if self.planner is not None:  # (the drafter's catch-up on skipped rounds is learnt apart from drafting)
             catch_up = getattr(self.drafter, "catch_up_seconds", 0.0) if self.drafter is not None else 0.0
             self.planner.observe_round(seqs, proposals, paths, t1 - t0, t2 - t1, catch_up,
-                                       chances={seqs[i].request_id: chance for i, chance in expected.items()})
+                                       chances={seqs[i].request_id: chance for i, chance in chances.items()})
         for row, (seq, p) in enumerate(zip(seqs, proposals)):
             path = paths[row]
             k = len(path)
@@ -375,7 +375,7 @@ class LLMEngine:
         device = logits.device
         paths: list[list[int]] = [[] for _ in range(B)]
         bonus = [0] * B
-        expected: dict[int, list[float]] = {}
+        chances: dict[int, list[float]] = {}
         trees = [i for i, p in enumerate(proposals) if p.parents is not None]
         chains = [i for i, p in enumerate(proposals) if p.parents is None]
         for i in trees:
@@ -385,9 +385,9 @@ class LLMEngine:
             paths[i], bonus[i] = tree_verify(logits[i], proposals[i].tokens, proposals[i].parents, probs,
                                              seqs[i].generator)
             if probs is not None and self.planner is not None:
-                expected[i] = tree_reach_probs(probs, proposals[i].tokens, proposals[i].parents, paths[i])
+                chances[i] = tree_reach_probs(probs, proposals[i].tokens, proposals[i].parents, paths[i])
         if not chains:
-            return paths, bonus, expected
+            return paths, bonus, chances
         drafts = torch.zeros(B, n - 1, dtype=torch.long)
         for row in chains:
             drafts[row, : len(proposals[row].tokens)] = torch.tensor(proposals[row].tokens, dtype=torch.long)
@@ -397,6 +397,7 @@ class LLMEngine:
         bonus_t = torch.zeros(B, dtype=torch.long, device=device)
         greedy = [i for i in chains if seqs[i].params.greedy]
         sampled = [i for i in chains if not seqs[i].params.greedy]
+        chance = None  # the sampled rows' chances of acceptance per draft (with a planner)
         if greedy:
             accepted[greedy], bonus_t[greedy] = greedy_verify(logits[greedy], drafts[greedy], num_draft[greedy])
         if sampled:
@@ -415,14 +416,14 @@ class LLMEngine:
                 p, q, drafts[sampled], num_draft[sampled], [seqs[i].generator for i in sampled])
             if self.planner is not None:
                 chance = chain_acceptance_probs(p, q, drafts[sampled]).tolist()
-                for j, (i, k) in enumerate(zip(sampled, accepted[sampled].tolist())):
-                    tried = min(k + 1, len(proposals[i].tokens))
-                    if tried:
-                        expected[i] = chance[j][:tried]
         accepted, bonus_t = accepted.tolist(), bonus_t.tolist()
         for i in chains:
             paths[i], bonus[i] = list(range(1, accepted[i] + 1)), bonus_t[i]
-        return paths, bonus, expected
+        for j, i in enumerate(sampled if chance is not None else []):
+            tried = min(accepted[i] + 1, len(proposals[i].tokens))
+            if tried:
+                chances[i] = chance[j][:tried]
+        return paths, bonus, chances
 
     # bookkeeping
     def _append(self, seq: Sequence, tokens: list[int], logits: torch.Tensor) -> int:
