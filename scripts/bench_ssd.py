@@ -74,6 +74,7 @@ class Config:
     fixed_width: bool = False  # shape-invariant: every target forward padded to K + 1 tokens (FixedWidthEngine)
     plan: bool = False  # the planner's choice (ssd_eagle.planner): K in 0..K from measured costs and acceptance
     tree_only: bool = False  # with plan: an SD tree planned on or off only, no chains competing (ablation)
+    whole_tree: bool = False  # with plan: an SD tree's rounds the whole tree or chains, no smaller trees (ablation)
     draws: bool = False  # with plan: sampled rows teach the planner their accept/reject draws, not their chances
 
 
@@ -139,10 +140,13 @@ def configs(args) -> dict[str, Config]:
         Config("sd_eagle3_plan", "sd", {"method": "eagle3", "model": head}, plan=True),
         Config("sd_lm_plan", "sd", {"method": "draft_model", "model": lm}, plan=True),
         Config("ssd_eagle3_plan", "ssd", {"method": "eagle3", "model": head, **geometric}, plan=True),
-        # the tree, a chain of 1..K, or neither (configs/default_serving.yaml's bfloat16 entry); the tree on or off
+        # the tree or its best half, quarter..., a chain of 1..K, or neither (configs/default_serving.yaml's bfloat16
+        # entry); ablations: the tree or a chain (session 47), the tree on or off (session 46)
         Config("sd_eagle3_tree_plan", "sd", {"method": "eagle3", "model": head, **tree}, plan=True),
         Config("sd_eagle3_tree_only_plan", "sd", {"method": "eagle3", "model": head, **tree}, plan=True,
                tree_only=True),
+        Config("sd_eagle3_tree_whole_plan", "sd", {"method": "eagle3", "model": head, **tree}, plan=True,
+               whole_tree=True),
         # the planner before it learnt sampled rows' chances of acceptance (ablation)
         Config("sd_eagle3_draws_plan", "sd", {"method": "eagle3", "model": head}, plan=True, draws=True),
         Config("sd_eagle3_tree_draws_plan", "sd", {"method": "eagle3", "model": head, **tree}, plan=True,
@@ -344,8 +348,11 @@ def run_config(cfg: Config, args, model, tokenizer, prompts, temps: list[float],
                       max_draft_tokens=spec.max_draft_tokens if spec else 0, **width)
         if cfg.plan:
             engine.planner = planner_for(engine, spec)
+            if cfg.tree_only or cfg.whole_tree:  # (ablations: the planner of sessions 46 / 47)
+                engine.planner.config.tree_sizes = ()
             if cfg.tree_only:
-                engine.planner.config.chains, engine.planner.tree_round = False, True
+                engine.planner.config.chains = False
+                engine.planner.tree_round = engine.planner.config.tree_nodes
             if cfg.draws:
                 engine.planner.observe_round = drop_chances(engine.planner.observe_round)
         out[temp] = run_engine(engine, prompts, params, record_top2=cfg.mode == "ar" and temp == 0)

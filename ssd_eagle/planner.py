@@ -341,6 +341,42 @@ def greedy_chain_record(parents: list[int], path: list[int]) -> tuple[int, int]:
     return (accepted + 1 if last in best else accepted), accepted
 
 
+def tree_record(parents: list[int], ranks: list[int] | None, path: list[int], nodes: int,
+                child_probs: list[dict[int, float]] | None = None) -> tuple[int, int] | list[float]:
+    """What a verified tree round teaches of the sub-tree of its ``nodes`` best nodes
+    (:meth:`Proposal.top <ssd_eagle.drafters.base.Proposal.top>`), as if that sub-tree had been drafted and verified
+    alone: for greedy rows ``(depth, accepted)`` for :meth:`Acceptance.record`, for sampled rows (``child_probs``)
+    the chance of each depth tried for :meth:`Acceptance.record_chances`. Exact, not estimated: a sub-tree costs
+    no other drafting (the same levels grow), and :func:`~ssd_eagle.verify.tree_verify`'s walk over it with the
+    same target draws accepts the leading nodes of the whole tree's ``path`` that it holds (at a node whose drawn
+    token's child is cut, the sub-tree has no child with that token: siblings differ), so every smaller size of a
+    round's tree is learnt from that round.
+
+    Args:
+        parents: each node's parent (0 = the root), nodes in the proposal's order; ranks: their ranks
+            (:attr:`~ssd_eagle.drafters.base.Proposal.ranks`; None: only the whole tree can be recorded).
+        path: the accepted nodes (1-based ids), root to leaf.
+        nodes: the sub-tree's size (the whole tree when it has no more nodes).
+        child_probs: :func:`~ssd_eagle.verify.tree_child_probs` of the round (sampled rows), or None.
+
+    Raises:
+        ValueError: a sub-tree smaller than the tree without ``ranks``.
+    """
+    ids = range(1, len(parents) + 1)
+    if nodes < len(parents) and ranks is None:
+        raise ValueError(f"tree_record: a sub-tree of {nodes} of {len(parents)} nodes needs the nodes' ranks")
+    keep = set(sorted(ids, key=lambda i: ranks[i - 1])[:nodes]) if nodes < len(parents) else set(ids)
+    depth = [0]
+    for parent in parents:
+        depth.append(depth[parent] + 1)
+    sub_depth = max((depth[i] for i in keep), default=0)
+    accepted = next((j for j, node in enumerate(path) if node not in keep), len(path))
+    if child_probs is None:
+        return sub_depth, accepted
+    return [sum(p for child, p in kids.items() if child in keep)
+            for kids in child_probs[: min(accepted + 1, sub_depth)]]
+
+
 # --------------------------------------------------------------------------------------------------------- planner
 @dataclass
 class PlannerConfig:
@@ -392,6 +428,11 @@ class PlannerConfig:
             ``tree_depth``), verifies ``tree_nodes + 1`` tokens, and its ``a_i`` is the chance that the accepted
             path reaches depth i given it reached i - 1 (so ``E`` is the tree's tokens per round); a tree is
             planned on or off, never shallower.
+        tree_sizes: the sizes (nodes) a tree round may take, each verifying its ``n`` best nodes of the same grown
+            tree (:meth:`Proposal.top <ssd_eagle.drafters.base.Proposal.top>`; empty: ``tree_nodes`` only). Each is a
+            shape of its own (its acceptance learnt apart; drafting costs the same); a round of n nodes teaches every
+            smaller size exactly (:func:`tree_record`), a larger one is learnt on exploring rounds, like a longer
+            chain.
         chains: with ``tree_nodes``, chains (of 1..max_k tokens, or max_k with an explicit K) compete with the tree
             round by round: each shape's acceptance and drafting cost are learnt from its own rounds (and a
             greedy row's chain acceptance from its tree rounds too, :func:`greedy_chain_record`), the plan is the
@@ -421,16 +462,22 @@ class PlannerConfig:
     tree_nodes: int = 0
     chains: bool = False
     tree_depth: int = 0
+    tree_sizes: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if any(not 0 < n <= self.tree_nodes for n in self.tree_sizes):
+            raise ValueError(f"tree_sizes must lie in 1..tree_nodes ({self.tree_nodes}), got {self.tree_sizes}")
 
 
 @dataclass
 class Learnt:
-    """What the planner learns of one proposal shape (chains, or the tree) from the rounds that drafted it.
+    """What the planner learns of one proposal shape (chains, or a tree size) from the rounds that drafted it.
 
     Attributes:
         acceptance: per request id, its per-position acceptance.
         engine_wide: the same over all requests (each request's prior).
-        draft_cost: seconds of a round's drafting against its draft length (a tree's: its depth).
+        draft_cost: seconds of a round's drafting against its draft length (a tree's: its depth; one line for
+            all tree sizes, which grow the same levels).
     """
 
     acceptance: dict[str, Acceptance] = field(default_factory=dict)
@@ -444,12 +491,13 @@ class Learnt:
 
 
 class Planner:
-    """Chooses each round's draft length, and for a tree drafter whether the round drafts the tree or a chain, from
-    the cost table and the running requests' acceptance.
+    """Chooses each round's draft length, and for a tree drafter whether the round drafts a tree (of which size) or a
+    chain, from the cost table and the running requests' acceptance.
 
     Call :meth:`choose` (or :meth:`decide`) before drafting a round, :meth:`observe` after verifying it,
     :meth:`forget` when a request ends; the engine calls :meth:`plan` and :meth:`observe_round`. ``tree_round``
-    says whether the planned round is a tree. ``decisions`` counts the batch's K over rounds (``tree_rounds``
+    is the planned round's shape: 0 for a chain, else the tree's nodes (a shape is an int throughout: 0 chains,
+    n > 0 a tree of n nodes). ``decisions`` counts the batch's K over rounds (``tree_rounds``
     the rounds planned as trees); :meth:`plan` also records every request's draft length, shape and probes in its
     :class:`~ssd_eagle.stats.SpecStats` (the server's ``spec_stats``) and the engine's totals (``/metrics``).
 
@@ -465,9 +513,9 @@ class Planner:
         self.config = config
         self.costs = costs
         self.draft_costs = {False: dict(draft_costs or {}), True: dict(tree_draft_costs or {})}
-        self.chain, self.tree = Learnt(), Learnt()
-        for tree in (False, True):
-            self.learnt(tree).draft_cost = self._measured_line(tree)
+        self.chain = Learnt()
+        self.trees = {n: Learnt() for n in self.shapes() if n}
+        self._reset_draft_costs()
         self.tree_round = self.shapes()[-1]  # the planned round's shape
         self.warm_rounds_left = config.warm_rounds  # the drafter's warm-up rounds, not learnt
         self.probing = False  # the planned round is a probe (its drafting time is not learnt)
@@ -477,6 +525,7 @@ class Planner:
         self.probe_interval: dict[str, int] = {}
         self.decisions: dict[int, int] = {}
         self.tree_rounds = 0  # rounds planned as trees (exploring rounds included)
+        self.tree_sizes: dict[int, int] = {}  # the same per tree size
         self.explored = 0  # exploring rounds run (:meth:`explore`)
         self.drafted_rounds = 0  # verified rounds that drafted (the evidence :meth:`learning` counts)
         self.chains_inferred = False  # the last tree round taught chains' acceptance too (greedy rows)
@@ -484,17 +533,32 @@ class Planner:
         self._since_explore = 0
         self._explore_interval = config.explore_every
 
-    def learnt(self, tree: bool) -> Learnt:
-        """What was learnt of the tree (True) or of chains (False)."""
-        return self.tree if tree else self.chain
+    @property
+    def tree(self) -> Learnt:
+        """What was learnt of the whole tree (``tree_nodes``)."""
+        return self.trees[self.config.tree_nodes]
 
-    def shapes(self) -> tuple[bool, ...]:
-        """The shapes a round may take: chains (False), the tree (True), or both (:class:`PlannerConfig`)."""
-        if not self.config.tree_nodes:
-            return (False,)
-        return (False, True) if self.config.chains else (True,)
+    def learnt(self, shape: int) -> Learnt:
+        """What was learnt of a tree of ``shape`` nodes, or of chains (0)."""
+        return self.trees[shape] if shape else self.chain
 
-    def lengths(self, tree: bool) -> list[int]:
+    def shapes(self) -> tuple[int, ...]:
+        """The shapes a round may take, the whole tree last: chains (0), tree sizes (ascending), or both
+        (:class:`PlannerConfig`)."""
+        cfg = self.config
+        if not cfg.tree_nodes:
+            return (0,)
+        sizes = tuple(sorted(set(cfg.tree_sizes) | {cfg.tree_nodes}))
+        return (0, *sizes) if cfg.chains else sizes
+
+    def _reset_draft_costs(self) -> None:
+        """Drafting-cost lines as the start-up measures give them: the chains' and one shared by every tree size."""
+        self.chain.draft_cost = self._measured_line(False)
+        line = self._measured_line(True)
+        for learnt in self.trees.values():
+            learnt.draft_cost = line
+
+    def lengths(self, tree: int) -> list[int]:
         """The draft lengths a round of this shape may plan (a tree: its depth only)."""
         cfg = self.config
         if tree:
@@ -508,19 +572,20 @@ class Planner:
             line.update(k, seconds)
         return line
 
-    def round_time(self, k: int, batch: int, tree: bool = False) -> float:
-        """Predicted seconds of a round drafting ``k`` tokens (a tree: ``k`` levels) for ``batch`` rows."""
+    def round_time(self, k: int, batch: int, tree: int = 0) -> float:
+        """Predicted seconds of a round drafting ``k`` tokens (a tree of ``tree`` nodes: ``k`` levels) for
+        ``batch`` rows."""
         line = self.learnt(tree).draft_cost
         draft = line.predict(k, default=0.0) if k and line.n >= self.config.min_cost_rounds else 0.0
-        width = self.config.tree_nodes + 1 if k and tree else k + 1
+        width = tree + 1 if k and tree else k + 1
         return self.verify_scale * self.costs.verify_time(width, batch) + draft
 
-    def probe_length(self, tree: bool) -> int:
+    def probe_length(self, tree: int) -> int:
         """Draft length of a probe of this shape (a tree's: its whole depth)."""
-        return self.lengths(True)[0] if tree else min(self.config.probe_k, self.config.max_k)
+        return self.lengths(tree)[0] if tree else min(self.config.probe_k, self.config.max_k)
 
-    def rate(self, k: int, request_ids: list[str], tree: bool = False) -> float:
-        """Expected emitted tokens per second for the batch at draft length ``k`` (of a tree, when ``tree``)."""
+    def rate(self, k: int, request_ids: list[str], tree: int = 0) -> float:
+        """Expected emitted tokens per second for the batch at draft length ``k`` (of a tree of ``tree`` nodes)."""
         learnt = self.learnt(tree)
         prior = learnt.engine_wide.rates(max(k, 1), weight=2.0)
         tokens = sum(expected_tokens(learnt.acceptance.get(r, Acceptance()).rates(k, prior)) for r in request_ids)
@@ -542,7 +607,7 @@ class Planner:
         else:
             measured = [t for t in shapes if self.learnt(t).rounds > 0] or [shapes[-1]]  # (until measured: the tree)
             rates = {(c, t): self.rate(c, request_ids, t) for t in measured for c in self.lengths(t)}
-            k, tree = max(rates, key=lambda c: (rates[c], -c[0]))  # (a tie: the shorter draft)
+            k, tree = max(rates, key=lambda c: (rates[c], -c[0], -c[1]))  # (a tie: the shorter draft, smaller tree)
             if self.rate(0, request_ids) > (1.0 + cfg.off_margin) * rates[k, tree] \
                     and not self.learning(k, request_ids, tree):
                 k = 0  # (probes try a shape never measured, the tree first: a tree off at once hid chains for good)
@@ -565,10 +630,12 @@ class Planner:
                 self.idle_rounds[r] = 0
                 self.probe_interval.pop(r, None)
                 out[r] = (k, False)
-        self.tree_rounds += tree and any(n for n, _ in out.values())
+        if tree and any(n for n, _ in out.values()):
+            self.tree_rounds += 1
+            self.tree_sizes[tree] = self.tree_sizes.get(tree, 0) + 1
         return out
 
-    def learning(self, k: int, request_ids: list[str], tree: bool = False) -> bool:
+    def learning(self, k: int, request_ids: list[str], tree: int = 0) -> bool:
         """Whether the planner is still learning: fewer than ``min_rounds`` drafted rounds were verified, and drafting
         ``k`` tokens (of a tree, when ``tree``) pays at the prior acceptance (every ``a_i`` = 0.5). Speculation then
         stays on (:class:`PlannerConfig`)."""
@@ -578,21 +645,22 @@ class Planner:
         prior = expected_tokens(Acceptance().rates(k)) / self.round_time(k, batch, tree)
         return prior > (1.0 + self.config.off_margin) / self.round_time(0, batch)
 
-    def explore(self, k: int, tree: bool, batch: int = 1) -> tuple[int, bool]:
+    def explore(self, k: int, tree: int, batch: int = 1) -> tuple[int, int]:
         """The planned ``(k, tree)``, or on an exploring round (:class:`PlannerConfig` ``explore_every``) what the
-        plan does not measure: the longest chain after a shorter one, the tree after chains and chains after the
-        tree (a middle chain alternates the two), spaced like probes so that their extra time is at most
-        ``probe_overhead`` of the plan's."""
+        plan does not measure: the longest chain after a shorter one, the whole tree after chains or a smaller tree,
+        and chains after a tree (the plan's unmeasured shapes take turns), spaced like probes so that their extra
+        time is at most ``probe_overhead`` of the plan's."""
         cfg = self.config
         if (k, tree) != self._plain:  # a new plan: explore soon again
             self._plain, self._since_explore, self._explore_interval = (k, tree), 0, cfg.explore_every
         others = []  # what the plan leaves unmeasured
+        whole = self.shapes()[-1]
         if k and not tree and k < cfg.max_k:
-            others.append((cfg.max_k, False))
-        if k and not tree and True in self.shapes():
-            others.append((self.lengths(True)[0], True))
-        if k and tree and False in self.shapes() and not self.chains_inferred:
-            others.append((cfg.max_k, False))
+            others.append((cfg.max_k, 0))
+        if k and tree != whole and whole:
+            others.append((self.lengths(whole)[0], whole))
+        if k and tree and 0 in self.shapes() and not self.chains_inferred:
+            others.append((cfg.max_k, 0))
         if not cfg.explore_every or not others:
             return k, tree
         self._since_explore += 1
@@ -612,13 +680,12 @@ class Planner:
         """A restarted drafter (a respawned SSD speculator): forget the drafting cost learnt from the old one, whose
         last rounds waited on a dead or hung process, and probe every request again soon (acceptance is kept: the
         draft model is the same)."""
-        for tree in (False, True):
-            self.learnt(tree).draft_cost = self._measured_line(tree)
+        self._reset_draft_costs()
         self.warm_rounds_left = self.config.warm_rounds
         self.probe_interval.clear()
         self.idle_rounds.clear()
 
-    def probe_spacing(self, batch: int, tree: bool | None = None) -> int:
+    def probe_spacing(self, batch: int, tree: int | None = None) -> int:
         """Fewest rounds between a request's probes (of this shape; default: the planned round's) for them to cost
         at most ``probe_overhead`` of the time of plain decoding (from the cost table and the learnt drafting
         cost)."""
@@ -628,7 +695,7 @@ class Planner:
         return max(1, math.ceil(extra / (self.config.probe_overhead * plain) - 1e-9)) if plain > 0 else 1
 
     def observe(self, drafted: dict[str, tuple[int, int]], draft_seconds: float, verify_seconds: float,
-                width: int, catch_up_seconds: float = 0.0, probe: bool = False, tree: bool | None = None,
+                width: int, catch_up_seconds: float = 0.0, probe: bool = False, tree: int | None = None,
                 chances: dict[str, list[float]] | None = None) -> None:
         """Learn from a verified round.
 
@@ -670,7 +737,7 @@ class Planner:
             return
         longest = max(n for n, _ in drafted.values())
         if longest and tree:  # a tree grows all its levels whatever depth its best nodes reach
-            longest = self.lengths(True)[0]
+            longest = self.lengths(tree)[0]
         if longest and not self.warm_rounds_left and not probe:
             learnt.draft_cost.update(longest, draft_seconds)
         if longest:
@@ -688,43 +755,74 @@ class Planner:
         for seq in seqs:
             k, probe = plan[seq.request_id]
             for stats in (seq.stats, totals) if totals is not None else (seq.stats,):
-                stats.record_plan(k, probe, tree=bool(k) and self.tree_round)
+                stats.record_plan(k, probe, tree=bool(k and self.tree_round))
         return [min(b, plan[s.request_id][0]) for s, b in zip(seqs, budgets)]
 
     def observe_round(self, seqs: list, proposals: list, paths: list[list[int]], draft_seconds: float,
                       verify_seconds: float, catch_up_seconds: float = 0.0,
-                      chances: dict[str, list[float]] | None = None) -> None:
-        """The engine's hook after verifying: learn from the round (a tree row as its depth and accepted path;
-        ``chances``: see :meth:`observe`)."""
+                      chances: dict[str, list] | None = None) -> None:
+        """The engine's hook after verifying: learn from the round (a tree row as its depth and accepted path, and
+        every smaller tree size from the same row, :func:`tree_record`). ``chances``: for sampled rows, a chain's
+        chance of acceptance per tried position (see :meth:`observe`), a tree's
+        :func:`~ssd_eagle.verify.tree_child_probs`."""
+        chances = dict(chances or {})
+        shape = self.tree_round
+        trees = [(s.request_id, p, path) for s, p, path in zip(seqs, proposals, paths) if p.parents is not None]
+        child_probs = {r: chances[r] for r, _, _ in trees if r in chances}
+        for r, p, path in trees:
+            if r in child_probs:
+                chances[r] = tree_record(p.parents, p.ranks, path, len(p.tokens), child_probs[r])
         drafted = {s.request_id: (p.depth, len(path)) for s, p, path in zip(seqs, proposals, paths)}
         width = 1 + max((len(p.tokens) for p in proposals), default=0)
         self.observe(drafted, draft_seconds, verify_seconds, width, catch_up_seconds, self.probing, chances=chances)
+        for size in (n for n in self.shapes() if 0 < n < shape):  # smaller trees: what the round's would have done
+            learnt = self.trees[size]
+            for r, p, path in trees:
+                if p.ranks is None and size < len(p.tokens):
+                    continue
+                record = tree_record(p.parents, p.ranks, path, size, child_probs.get(r))
+                for acceptance in (learnt.acceptance.setdefault(r, Acceptance()), learnt.engine_wide):
+                    acceptance.record_chances(record) if r in child_probs else acceptance.record(*record)
         self.chains_inferred = False
-        if self.tree_round and False in self.shapes():  # greedy rows: what a chain would have accepted, for free
+        if shape and 0 in self.shapes():  # greedy rows: what a chain would have accepted, for free
             inferred = {s.request_id: greedy_chain_record(p.parents, path)
                         for s, p, path in zip(seqs, proposals, paths) if s.params.greedy and p.parents is not None}
             for r, (n, k) in inferred.items():
                 self.chain.acceptance.setdefault(r, Acceptance()).record(n, k)
                 self.chain.engine_wide.record(n, k)
             # (chains past a shallower tree's depth are still explored)
-            self.chains_inferred = len(inferred) == len(seqs) and self.lengths(True)[0] >= self.config.max_k
+            self.chains_inferred = len(inferred) == len(seqs) and self.lengths(shape)[0] >= self.config.max_k
 
     def forget(self, request_id: str) -> None:
-        for learnt in (self.chain, self.tree):
+        for learnt in (self.chain, *self.trees.values()):
             learnt.acceptance.pop(request_id, None)
         self.idle_rounds.pop(request_id, None)
         self.probe_interval.pop(request_id, None)
 
     def summary(self) -> dict:
-        """JSON-ready planner state: rounds per chosen K (exploring rounds included), the rounds planned as trees,
-        the exploring rounds and the engine-wide acceptance per position of each shape measured (a tree's: the
-        chance that its accepted path reaches each depth)."""
+        """JSON-ready planner state: rounds per chosen K (exploring rounds included), the rounds planned as trees
+        (and per tree size, when there are several), the exploring rounds and the engine-wide acceptance per
+        position of chains and of the whole tree (the chance that its accepted path reaches each depth)."""
         out = {"k_decisions": dict(sorted(self.decisions.items())), "tree_rounds": self.tree_rounds,
                "explored": self.explored}
-        for tree in self.shapes():
-            name = "tree_acceptance_per_depth" if tree else "acceptance_per_position"
-            out[name] = [round(a, 4) for a in self.learnt(tree).engine_wide.rates(self.lengths(tree)[-1])]
+        shapes = self.shapes()
+        if len([n for n in shapes if n]) > 1:
+            out["tree_size_rounds"] = dict(sorted(self.tree_sizes.items()))
+        for shape in (n for n in shapes if n in (0, shapes[-1])):
+            name = "tree_acceptance_per_depth" if shape else "acceptance_per_position"
+            out[name] = [round(a, 4) for a in self.learnt(shape).engine_wide.rates(self.lengths(shape)[-1])]
         return out
+
+
+def tree_size_ladder(nodes: int) -> tuple[int, ...]:
+    """The tree sizes an SD tree drafter's rounds choose among: ``nodes`` halved (rounded up) down to 2, e.g.
+    12 -> (3, 6, 12): every size is learnt from the larger rounds (:func:`tree_record`), so a size's first
+    estimate needs no round of its own, and a verification over fewer nodes is what it saves."""
+    sizes = {nodes}
+    while nodes > 2:
+        nodes = (nodes + 1) // 2
+        sizes.add(nodes)
+    return tuple(sorted(sizes))
 
 
 def planner_for(engine, spec) -> Planner | None:
@@ -735,8 +833,9 @@ def planner_for(engine, spec) -> Planner | None:
 
     K in 0..K is the planner's to choose unless ``num_speculative_tokens`` was given explicitly (then only 0 or K),
     for SD and SSD alike; a tree (``tree_budget``) is planned on or off (:class:`PlannerConfig`), so that a tree
-    whose drafts do not pay falls back to plain decoding too, and in SD chains also compete with it round by round
-    (``chains``; the drafter is told each round's shape, :meth:`~ssd_eagle.drafters.base.Drafter.set_shape`). For
+    whose drafts do not pay falls back to plain decoding too, and in SD chains and smaller trees (its best nodes,
+    :func:`tree_size_ladder`) also compete with it round by round (``chains``, ``tree_sizes``; the drafter is told
+    each round's shape, :meth:`~ssd_eagle.drafters.base.Drafter.set_shape`). For
     SSD the round's ``draft_seconds`` is the verifier's wait for the speculator: about nothing on a cache hit and a
     backup drafting k tokens on a miss, so the learnt line ``d0 + d1 k`` is the mean wait ``(1 - p) D_backup(k)`` at
     the measured hit rate p, and the planner picks the k that maximises ``E(k) / (V(k + 1) + wait(k))``, which is
@@ -770,6 +869,7 @@ def planner_for(engine, spec) -> Planner | None:
     mixed = tree is not None and chains
     return Planner(PlannerConfig(max_k=k, choose_k=choose_k, tree_nodes=tree.budget if tree else 0,
                                  chains=mixed, tree_depth=tree.depth if tree else 0,
+                                 tree_sizes=tree_size_ladder(tree.budget) if mixed else (),
                                  explore_every=SHAPE_EXPLORE_EVERY if mixed else PlannerConfig.explore_every,
                                  warm_rounds=3 if mode == "ssd" else 1, min_cost_rounds=3.5 if mode == "ssd" else 0.0,
                                  min_rounds=MIN_ROUNDS), costs, draft_costs, tree_costs)

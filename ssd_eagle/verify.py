@@ -119,27 +119,31 @@ def chain_acceptance_probs(p: torch.Tensor, q: torch.Tensor | None, draft_tokens
     return torch.minimum(p[:, :K], q).sum(dim=-1)
 
 
-def tree_reach_probs(probs: torch.Tensor, nodes: list[int], parents: list[int], path: list[int]) -> list[float]:
-    """The chance, at the root and at each node of the accepted ``path`` (as :func:`tree_verify` returned it), that
-    the walk continues to a child: ``sum_{children c of u} p_u(c)`` (:func:`tree_verify`), 0 at a node without
-    children above the tree's depth; one entry per depth tried, as a draw-based record counts them
-    (``min(len(path) + 1, depth)``).
+def tree_child_probs(probs: torch.Tensor, nodes: list[int], parents: list[int],
+                     path: list[int]) -> list[dict[int, float]]:
+    """The target's probability of each child of the root and of each node of the accepted ``path`` (as
+    :func:`tree_verify` returned it), ``{child node id: p_u(child's token)}``, one entry per depth tried as a
+    draw-based record counts them (``min(len(path) + 1, depth)``; empty for a node without children above the
+    tree's depth). An entry's sum is the chance that the walk went on past that depth (:func:`tree_verify`); its
+    sum over a sub-tree's nodes is the sub-tree's chance (:func:`ssd_eagle.planner.tree_record`).
 
     Args:
         probs: processed target probabilities [n, V] for the root (index 0) and the nodes.
         nodes / parents: the tree, as for :func:`tree_verify`.
-
-    Returns:
-        ``min(len(path) + 1, depth)`` probabilities.
     """
     children: dict[int, list[int]] = {}
     depth = [0]
-    for token, parent in zip(nodes, parents):
-        children.setdefault(parent, []).append(token)
+    for i, parent in enumerate(parents, start=1):
+        children.setdefault(parent, []).append(i)
         depth.append(depth[parent] + 1)
-    tried = ([0] + path)[: max(depth)]
-    mass = [probs[u, children[u]].sum() if u in children else probs.new_zeros(()) for u in tried]
-    return torch.stack(mass).tolist() if mass else []  # (one device sync per row)
+    tried = [children.get(u, []) for u in ([0] + path)[: max(depth)]]
+    rows = [u for u, kids in zip([0] + path, tried) for _ in kids]
+    values = probs[rows, [nodes[c - 1] for kids in tried for c in kids]].tolist() if rows else []  # (one sync)
+    out, at = [], 0
+    for kids in tried:
+        out.append(dict(zip(kids, values[at: at + len(kids)])))
+        at += len(kids)
+    return out
 
 
 def saguaro_scale(q: torch.Tensor, C: float, fanout: int | torch.Tensor) -> torch.Tensor:

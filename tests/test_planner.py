@@ -12,7 +12,8 @@ from ssd_eagle.engine.llm import LLM
 from ssd_eagle.engine.llm_engine import LLMEngine
 from ssd_eagle.sampling_params import SamplingParams
 from ssd_eagle.planner import (MIN_ROUNDS, Acceptance, CostTable, OnlineLine, Planner, PlannerConfig,
-                               expected_tokens, greedy_chain_record, measure_draft_costs, measure_verify_costs)
+                               expected_tokens, greedy_chain_record, measure_draft_costs, measure_verify_costs,
+                               tree_record)
 
 
 def planner_with(verify: list[float], rate: float, max_k: int = 5, rounds: int = 200, **kw) -> Planner:
@@ -63,9 +64,9 @@ def test_a_tree_is_planned_on_or_off_at_its_width():
     says); V(9) = 3.5 V(1): 0.84 tokens per V(1), so plain decoding; a probe is a whole tree."""
     flat = planner_with([1.0] * 9, rate=0.8, max_k=3, tree_nodes=8)
     assert flat.config.choose_k and flat.choose(["r"]) == {"r": 3}
-    assert flat.rate(3, ["r"], tree=True) == pytest.approx(2.952, rel=1e-3)
+    assert flat.rate(3, ["r"], tree=8) == pytest.approx(2.952, rel=1e-3)
     steep = planner_with([1.0] * 8 + [3.5], rate=0.8, max_k=3, tree_nodes=8, probe_every=2, probe_overhead=10.0)
-    assert steep.rate(3, ["r"], tree=True) == pytest.approx(2.952 / 3.5, rel=1e-3) and steep.probe_length(True) == 3
+    assert steep.rate(3, ["r"], tree=8) == pytest.approx(2.952 / 3.5, rel=1e-3) and steep.probe_length(8) == 3
     assert [steep.decide(["r"])["r"] for _ in range(3)] == [(0, False), (3, True), (0, False)]
 
 
@@ -74,7 +75,7 @@ def measured_planner(chain_rate: float, tree_rate: float, **kw) -> Planner:
     drafting; one request whose chains accept each position with ``chain_rate`` and whose tree reaches each depth
     with ``tree_rate`` (exact counts)."""
     planner = Planner(PlannerConfig(max_k=3, tree_nodes=6, chains=True, **kw), CostTable({1: [1.0] * 7}))
-    for tree, rate in ((False, chain_rate), (True, tree_rate)):
+    for tree, rate in ((0, chain_rate), (6, tree_rate)):
         acc = Acceptance(tried=[200.0] * 3, accepted=[200.0 * rate] * 3, decay=1.0)
         planner.learnt(tree).acceptance["r"] = acc
         planner.learnt(tree).engine_wide = acc
@@ -89,7 +90,7 @@ def test_an_sd_tree_drafter_drafts_the_shape_that_pays():
     round dearer than a 3-chain's (2.952 / 1.5 < 2.176 / 1): the chain again."""
     greedy = measured_planner(chain_rate=0.6, tree_rate=0.8)
     assert greedy.choose(["r"]) == {"r": 3} and greedy.tree_round
-    assert greedy.rate(3, ["r"], tree=True) == pytest.approx(2.952, rel=1e-3)
+    assert greedy.rate(3, ["r"], tree=6) == pytest.approx(2.952, rel=1e-3)
     assert greedy.rate(3, ["r"]) == pytest.approx(2.176, rel=1e-3)
     sampled = measured_planner(chain_rate=0.8, tree_rate=0.5)
     assert sampled.choose(["r"]) == {"r": 3} and not sampled.tree_round
@@ -662,13 +663,13 @@ def test_greedy_chain_record_follows_best_children_and_stops_where_the_tree_says
 def test_tree_chances_count_a_shallow_leaf_as_a_tried_depth():
     """A depth-2 tree whose accepted path ends on a depth-1 leaf: depth 2 was tried with chance 0, as the draw-based
     record counts it (its a_2 otherwise read 0.6 where the truth and the draws read 0.33)."""
-    from ssd_eagle.verify import tree_reach_probs
+    from ssd_eagle.verify import tree_child_probs
 
     probs = torch.tensor([[0.1, 0.5, 0.2, 0.2], [0.6, 0.1, 0.1, 0.2], [0.25] * 4, [0.25] * 4])
     nodes, parents = [1, 2, 0], [0, 0, 1]
     draws, chances = Acceptance(decay=1.0), Acceptance(decay=1.0)
     draws.record(2, 1)
-    chances.record_chances(tree_reach_probs(probs, nodes, parents, [2]))
+    chances.record_chances(tree_record(parents, None, [2], 3, tree_child_probs(probs, nodes, parents, [2])))
     assert chances.tried == draws.tried == [1.0, 1.0] and chances.accepted == [pytest.approx(0.7), 0.0]
 
 

@@ -192,12 +192,13 @@ def test_chain_acceptance_probs_is_the_rate_rejection_sampling_accepts_at():
     assert abs(k.float().mean().item() - 0.7) < 4 * (0.7 * 0.3 / n) ** 0.5
 
 
-def test_tree_reach_probs_sums_the_targets_mass_on_each_nodes_children():
+def test_tree_child_probs_gives_the_targets_probability_of_each_child_along_the_path():
     """Root children tokens 1, 2 (nodes 1, 2); node 1's child token 0 (node 3); node 3 a leaf. Path [1, 3]: at the
-    root p(1) + p(2), at node 1 p(0), node 3 has no children (stop)."""
-    from ssd_eagle.verify import tree_reach_probs
+    root p(1), p(2) (sum 0.7, the chance to go on), at node 1 p(0); node 3 has no children (the tree's depth)."""
+    from ssd_eagle.verify import tree_child_probs
 
     probs = torch.tensor([[0.1, 0.5, 0.2, 0.2], [0.6, 0.1, 0.1, 0.2], [0.25] * 4, [0.25] * 4])
-    reach = tree_reach_probs(probs, nodes=[1, 2, 0], parents=[0, 0, 1], path=[1, 3])
-    assert reach == [pytest.approx(0.7), pytest.approx(0.6)]
-    assert tree_reach_probs(probs, [1, 2, 0], [0, 0, 1], []) == [pytest.approx(0.7)]
+    kids = tree_child_probs(probs, nodes=[1, 2, 0], parents=[0, 0, 1], path=[1, 3])
+    assert kids == [{1: pytest.approx(0.5), 2: pytest.approx(0.2)}, {3: pytest.approx(0.6)}]
+    assert tree_child_probs(probs, [1, 2, 0], [0, 0, 1], []) == [{1: pytest.approx(0.5), 2: pytest.approx(0.2)}]
+    assert tree_child_probs(probs, [1, 2, 0], [0, 0, 1], [2]) == [{1: pytest.approx(0.5), 2: pytest.approx(0.2)}, {}]

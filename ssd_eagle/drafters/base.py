@@ -47,6 +47,9 @@ class Proposal:
             the speculation cache).
         q_ids: int64 [D], the target token id of each column of q (an EAGLE-3 head's draft vocabulary, in its order:
             q is 0 on every other token), or None: q spans the target's vocabulary.
+        ranks: for a tree, each node's place in the drafter's order of preference (0 = its best node; a parent
+            ranks before its children), so that the nodes of the n lowest ranks form the tree that drafter would
+            have proposed with a budget of n nodes (:meth:`top`); None when the drafter gives no order.
     """
 
     tokens: list[int]
@@ -59,6 +62,7 @@ class Proposal:
     fanout_power: float | None = None
     backup: str | None = None
     q_ids: torch.Tensor | None = None
+    ranks: list[int] | None = None
 
     def dense_q(self, vocab_size: int, out: torch.Tensor | None = None) -> torch.Tensor | None:
         """q over the target's vocabulary, float [k, ``vocab_size``] (0 off ``q_ids``), or None without q.
@@ -94,7 +98,7 @@ class Proposal:
             return self if len(self.tokens) <= budget else self.cut(budget)
         if self.depth <= budget and len(self.tokens) <= max_nodes:
             return self
-        return replace(self, tokens=[], q=None, parents=None, hidden=None)
+        return replace(self, tokens=[], q=None, parents=None, hidden=None, ranks=None)
 
     def cut(self, budget: int) -> Proposal:
         """At most ``budget`` tokens of a chain (the chain itself when it fits); a tree keeps the nodes at depth <=
@@ -104,15 +108,34 @@ class Proposal:
                 return self  # (proposals are never modified: the speculator's hit path copies nothing it need not)
             return replace(self, tokens=self.tokens[:budget], q=None if self.q is None else self.q[:budget],
                            hidden=None if self.hidden is None else self.hidden[:budget])
-        depth, keep, new_id = [0], [], {0: 0}
+        depth, keep = [0], []
         for i, p in enumerate(self.parents, start=1):
             depth.append(depth[p] + 1)
-            if depth[i] <= budget and p in new_id:
-                new_id[i] = len(keep) + 1
+            if depth[i] <= budget:  # (a node's parent is shallower: kept too)
                 keep.append(i)
+        return self._keep(keep)
+
+    def top(self, nodes: int) -> Proposal:
+        """A tree's ``nodes`` best nodes by :attr:`ranks` (ancestor-closed: a parent ranks before its children),
+        as the tree a budget of ``nodes`` would have proposed; the proposal itself when it has no more nodes.
+
+        Raises:
+            ValueError: a tree without ranks that has more than ``nodes`` nodes.
+        """
+        if len(self.tokens) <= nodes:
+            return self
+        if self.parents is None or self.ranks is None:
+            raise ValueError(f"top({nodes}) needs a tree proposal with ranks")
+        best = set(sorted(range(1, len(self.tokens) + 1), key=lambda i: self.ranks[i - 1])[:nodes])
+        return self._keep([i for i in range(1, len(self.tokens) + 1) if i in best])
+
+    def _keep(self, keep: list[int]) -> Proposal:
+        """The tree of the nodes ``keep`` (1-based, ascending, ancestor-closed), parents re-indexed."""
+        new_id = {0: 0, **{old: new for new, old in enumerate(keep, start=1)}}
         return replace(self, tokens=[self.tokens[i - 1] for i in keep], q=None,
                        parents=[new_id[self.parents[i - 1]] for i in keep],
-                       hidden=None if self.hidden is None else self.hidden[[i - 1 for i in keep]])
+                       hidden=None if self.hidden is None else self.hidden[[i - 1 for i in keep]],
+                       ranks=None if self.ranks is None else [self.ranks[i - 1] for i in keep])
 
 
 class Drafter(ABC):
@@ -143,9 +166,9 @@ class Drafter(ABC):
     def remove_sequence(self, seq) -> None:
         """Forget ``seq``."""
 
-    def set_shape(self, tree: bool) -> None:
+    def set_shape(self, tree: int) -> None:
         """The planner's shape for the next round (:mod:`ssd_eagle.planner`): a drafter configured for trees
-        proposes its tree (True) or a chain (False); others ignore it."""
+        proposes a chain (0) or its tree cut to its ``tree`` best nodes (at most its budget); others ignore it."""
 
     def set_token_budget(self, tokens: int) -> None:
         """The engine's ``max_num_batched_tokens``: a drafter catching up on many tokens forwards at most this many

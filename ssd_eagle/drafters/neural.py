@@ -30,7 +30,7 @@ After the target accepts k drafts:
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -115,15 +115,15 @@ class NeuralDrafter(Drafter):
         self.aux_layer_ids = backend.aux_layer_ids
         self.saguaro = saguaro
         self.tree = tree
-        self.grow_tree = True  # the planner's shape for the next round (set_shape)
+        self.shape = tree.budget if tree is not None else 0  # the planner's shape for the next round (set_shape)
         self.token_budget = token_budget
         self.states: dict[str, _State] = {}
 
     def set_token_budget(self, tokens: int) -> None:
         self.token_budget = tokens
 
-    def set_shape(self, tree: bool) -> None:
-        self.grow_tree = tree
+    def set_shape(self, tree: int) -> None:
+        self.shape = tree
 
     def prefill(self, seq, aux: list[torch.Tensor] | None) -> None:
         st = self.states.setdefault(seq.request_id, _State(0))
@@ -178,13 +178,20 @@ class NeuralDrafter(Drafter):
         states = [self.states[s.request_id] for s in row_seqs]
         drafts = draft_from_committed(self.backend, row_seqs, [st.num_cached for st in states],
                                       [st.features(self.backend) for st in states], [num_tokens[i] for i in rows],
-                                      self.saguaro, self.tree if self.grow_tree else None)
+                                      self.saguaro, self._tree_settings())
         for i, seq, st, draft in zip(rows, row_seqs, states, drafts):
             n = len(seq.token_ids)
             st.num_cached, st.pending, st.base, st.skipped = n, None, n, False
             st.fed = len(draft.tokens) - 1 if draft.parents is None else 0
-            proposals[i] = Proposal(draft.tokens, draft.q, parents=draft.parents, q_ids=draft.q_ids)
+            proposals[i] = Proposal(draft.tokens, draft.q, parents=draft.parents, q_ids=draft.q_ids,
+                                    ranks=draft.ranks)
         return proposals
+
+    def _tree_settings(self) -> TreeSettings | None:
+        """The next round's tree (None: chains): the configured one, its budget cut to the planned size."""
+        if self.tree is None or not self.shape:
+            return None
+        return self.tree if self.shape >= self.tree.budget else replace(self.tree, budget=self.shape)
 
     def on_verified(self, seq, num_accepted: int, aux: torch.Tensor | None) -> None:
         st = self.states[seq.request_id]

@@ -132,18 +132,26 @@ def grow_after_committed(backend: DraftBackend, slots: list[int], lengths: list[
 
 
 def _select(pool: list[tuple], budget: int) -> Proposal:
-    """The ``budget`` best nodes (ancestor-closed), ordered by depth, with parents re-indexed."""
+    """The ``budget`` best nodes (ancestor-closed), ordered by depth, with parents re-indexed, and each node's rank
+    in the order of preference (:attr:`~ssd_eagle.drafters.base.Proposal.ranks`: the ``n`` best of them are what a
+    budget of ``n`` selects)."""
     if not pool:
         return Proposal([])
-    order = sorted(range(len(pool)), key=lambda i: (-pool[i][0], pool[i][3], i))[:budget]
-    chosen = set(order)
-    for i in list(order):  # ties can drop an ancestor: add it back
+    preferred = sorted(range(len(pool)), key=lambda i: (-pool[i][0], pool[i][3], i))
+    place = {i: n for n, i in enumerate(preferred)}
+    chosen = set(preferred[:budget])
+    for i in preferred[:budget]:  # ties can drop an ancestor: add it back
         parent = pool[i][2]
         while parent and parent - 1 not in chosen:
             chosen.add(parent - 1)
             parent = pool[parent - 1][2]
+    for i in sorted(chosen, key=lambda i: -pool[i][3]):  # deepest first: an added ancestor ranks before its child
+        if pool[i][2]:
+            place[pool[i][2] - 1] = min(place[pool[i][2] - 1], place[i])
+    rank = {i: n for n, i in enumerate(sorted(chosen, key=lambda i: (place[i], pool[i][3])))}
     keep = sorted(chosen, key=lambda i: (pool[i][3], -pool[i][0], i))
     new_id = {old + 1: new + 1 for new, old in enumerate(keep)}
     features = [pool[i][4] for i in keep]
     return Proposal([pool[i][1] for i in keep], parents=[new_id.get(pool[i][2], 0) for i in keep],
-                    hidden=torch.stack(features) if features[0] is not None else None)
+                    hidden=torch.stack(features) if features[0] is not None else None,
+                    ranks=[rank[i] for i in keep])

@@ -37,7 +37,7 @@ from ssd_eagle.prefix_cache import PrefixCache, feed_reused_prefix
 from ssd_eagle.sampling import SamplingTensors, logits_to_probs, sample
 from ssd_eagle.sampling_params import SamplingParams
 from ssd_eagle.stats import SpecStats
-from ssd_eagle.verify import (chain_acceptance_probs, greedy_verify, rejection_verify, tree_reach_probs,
+from ssd_eagle.verify import (chain_acceptance_probs, greedy_verify, rejection_verify, tree_child_probs,
                               tree_verify)
 
 log = logging.getLogger(__name__)
@@ -366,16 +366,16 @@ class LLMEngine:
         return self.target.forward(batch, capture_aux=self.needs_aux)
 
     def _verify(self, seqs: list[Sequence], proposals: list[Proposal],
-                logits: torch.Tensor) -> tuple[list[list[int]], list[int], dict[int, list[float]]]:
+                logits: torch.Tensor) -> tuple[list[list[int]], list[int], dict[int, list]]:
         """Accepted node path (1-based; a chain accepting k gives ``[1..k]``) and bonus token of every row, and for
-        the sampled rows that drafted the chance each tried position had to be accepted (a chain's first
-        ``min(k + 1, n)`` drafts, :func:`~ssd_eagle.verify.chain_acceptance_probs`; a tree's depths reached,
-        :func:`~ssd_eagle.verify.tree_reach_probs`), by row: what the planner learns acceptance from."""
+        the sampled rows that drafted what the planner learns acceptance from, by row: a chain's chance that each
+        tried draft was accepted (its first ``min(k + 1, n)``, :func:`~ssd_eagle.verify.chain_acceptance_probs`), a
+        tree's target probability of each child at each depth tried (:func:`~ssd_eagle.verify.tree_child_probs`)."""
         B, n = logits.shape[:2]
         device = logits.device
         paths: list[list[int]] = [[] for _ in range(B)]
         bonus = [0] * B
-        chances: dict[int, list[float]] = {}
+        chances: dict[int, list] = {}
         trees = [i for i, p in enumerate(proposals) if p.parents is not None]
         chains = [i for i, p in enumerate(proposals) if p.parents is None]
         for i in trees:
@@ -385,7 +385,7 @@ class LLMEngine:
             paths[i], bonus[i] = tree_verify(logits[i], proposals[i].tokens, proposals[i].parents, probs,
                                              seqs[i].generator)
             if probs is not None and self.planner is not None:
-                chances[i] = tree_reach_probs(probs, proposals[i].tokens, proposals[i].parents, paths[i])
+                chances[i] = tree_child_probs(probs, proposals[i].tokens, proposals[i].parents, paths[i])
         if not chains:
             return paths, bonus, chances
         drafts = torch.zeros(B, n - 1, dtype=torch.long)
