@@ -218,7 +218,7 @@ def run_engine(engine: LLMEngine, prompts, params, record_top2: bool = False) ->
             "wait_on_hit_ms": summary.get("wait_on_hit_ms"), "wait_on_miss_ms": summary.get("wait_on_miss_ms"),
             "fast_backup": f"{total.rounds_on_fast_backup}/{total.rounds_on_miss}" if total.cache_lookups else None,
             "planned_k": summary.get("planned_rounds_per_k"), "probes": summary.get("probes"),
-            "tree_rounds": summary.get("planned_tree_rounds"),
+            "tree_rounds": summary.get("planned_tree_rounds"), "tree_nodes": summary.get("planned_tree_nodes"),
             "argmax_ok": consistent if params.logprobs is not None else None, "outputs": outputs, "top2": top2}
 
 
@@ -238,8 +238,8 @@ def run_hf(model, assistant, prompts, params, kind: str, k: int) -> dict:
         outputs.append(out[0, len(p):].tolist())
     return {"tokens": tokens, "seconds": seconds, "tps": tokens / seconds, "tau": None, "acc": None, "hit": None,
             "V": None, "D": None, "rounds": None, "wait_on_hit_ms": None, "wait_on_miss_ms": None, "fast_backup": None,
-            "planned_k": None, "probes": None, "tree_rounds": None, "argmax_ok": None, "outputs": outputs,
-            "top2": None}
+            "planned_k": None, "probes": None, "tree_rounds": None, "tree_nodes": None, "argmax_ok": None,
+            "outputs": outputs, "top2": None}
 
 
 def main() -> None:
@@ -462,7 +462,7 @@ def planner_check(rows, by) -> None:
         print(f"planner's choice vs AR: {r['config']} T={r['temperature']:g}: median ratio over {len(ratios)} runs "
               f"{median:.3f} (goal >= 0.97{'' if median >= 0.97 else ', MISSED'}); runs "
               f"{', '.join(f'{x:.3f}' for x in ratios)}; rounds per planned K {r['planned_k']} "
-              f"({r['tree_rounds']} trees), probes {r['probes']}")
+              f"({r['tree_rounds']} trees, by nodes {r['tree_nodes']}), probes {r['probes']}")
 
 
 def plot_hit_rate(ranks: dict[str, list[int]], out_dir: Path) -> None:

@@ -14,8 +14,10 @@ speculation comes back when drafts start to pay; while it drafts fewer than K to
 (*explores*) so that the positions it no longer drafts are measured again. SSD engines are planned the same way,
 their ``D(K)`` being the verifier's wait for the speculator (see :func:`planner_for`). A tree round verifies all
 its nodes, and its ``a_i`` is the chance that its accepted path reaches depth i; an SSD tree is planned on or off,
-an SD tree drafter's rounds are trees or chains, whichever shape is expected to run faster from what each measured
-(:class:`PlannerConfig` ``chains``). Sampled rows teach each tried position's chance of acceptance, not the draw.
+an SD tree drafter's rounds are its tree, the tree's best half, quarter... (a narrower verification of the same
+drafting), or chains, whichever shape is expected to run faster from what each measured (:class:`PlannerConfig`
+``chains``, ``tree_sizes``; every smaller size is learnt exactly from each larger round, :func:`tree_record`).
+Sampled rows teach each tried position's chance of acceptance, not the draw.
 
 Costs: :func:`measure_verify_costs` times ``V(n, B)`` for n = 1..N new tokens per batch-size bucket in a few
 forwards at start-up, and :func:`measure_draft_costs` an SD neural drafter's ``D(K)`` for K = 1..N (one row; a
@@ -341,22 +343,27 @@ def greedy_chain_record(parents: list[int], path: list[int]) -> tuple[int, int]:
     return (accepted + 1 if last in best else accepted), accepted
 
 
-def tree_record(parents: list[int], ranks: list[int] | None, path: list[int], nodes: int,
+def tree_record(parents: list[int], ranks: list[int] | None, path: list[int], nodes: int, depth: int,
                 child_probs: list[dict[int, float]] | None = None) -> tuple[int, int] | list[float]:
     """What a verified tree round teaches of the sub-tree of its ``nodes`` best nodes
     (:meth:`Proposal.top <ssd_eagle.drafters.base.Proposal.top>`), as if that sub-tree had been drafted and verified
     alone: for greedy rows ``(depth, accepted)`` for :meth:`Acceptance.record`, for sampled rows (``child_probs``)
-    the chance of each depth tried for :meth:`Acceptance.record_chances`. Exact, not estimated: a sub-tree costs
-    no other drafting (the same levels grow), and :func:`~ssd_eagle.verify.tree_verify`'s walk over it with the
-    same target draws accepts the leading nodes of the whole tree's ``path`` that it holds (at a node whose drawn
-    token's child is cut, the sub-tree has no child with that token: siblings differ), so every smaller size of a
-    round's tree is learnt from that round.
+    the chance of going on past each depth tried for :meth:`Acceptance.record_chances`. Exact, not estimated: a
+    sub-tree costs no other drafting (the same levels grow), and :func:`~ssd_eagle.verify.tree_verify`'s walk over it
+    with the same target draws accepts the leading nodes of the whole tree's ``path`` that it holds (at a node whose
+    drawn token's child is cut, the sub-tree has no child with that token: siblings differ), so every smaller size
+    of a round's tree is learnt from that round.
+
+    Depths are tried up to the ``depth`` the tree was grown to, not just the sub-tree's own: a tree whose best nodes
+    stop short of it has no chance to go on there (a 2-node tree of two siblings never reaches depth 2), which a
+    per-depth rate must count, or it reads the rate of the sub-trees that do reach it and overrates a narrow tree.
 
     Args:
         parents: each node's parent (0 = the root), nodes in the proposal's order; ranks: their ranks
             (:attr:`~ssd_eagle.drafters.base.Proposal.ranks`; None: only the whole tree can be recorded).
         path: the accepted nodes (1-based ids), root to leaf.
         nodes: the sub-tree's size (the whole tree when it has no more nodes).
+        depth: the levels the tree was grown to.
         child_probs: :func:`~ssd_eagle.verify.tree_child_probs` of the round (sampled rows), or None.
 
     Raises:
@@ -366,15 +373,10 @@ def tree_record(parents: list[int], ranks: list[int] | None, path: list[int], no
     if nodes < len(parents) and ranks is None:
         raise ValueError(f"tree_record: a sub-tree of {nodes} of {len(parents)} nodes needs the nodes' ranks")
     keep = set(sorted(ids, key=lambda i: ranks[i - 1])[:nodes]) if nodes < len(parents) else set(ids)
-    depth = [0]
-    for parent in parents:
-        depth.append(depth[parent] + 1)
-    sub_depth = max((depth[i] for i in keep), default=0)
     accepted = next((j for j, node in enumerate(path) if node not in keep), len(path))
     if child_probs is None:
-        return sub_depth, accepted
-    return [sum(p for child, p in kids.items() if child in keep)
-            for kids in child_probs[: min(accepted + 1, sub_depth)]]
+        return depth, accepted
+    return [sum(p for child, p in kids.items() if child in keep) for kids in child_probs[: min(accepted + 1, depth)]]
 
 
 # --------------------------------------------------------------------------------------------------------- planner
@@ -755,7 +757,7 @@ class Planner:
         for seq in seqs:
             k, probe = plan[seq.request_id]
             for stats in (seq.stats, totals) if totals is not None else (seq.stats,):
-                stats.record_plan(k, probe, tree=bool(k and self.tree_round))
+                stats.record_plan(k, probe, tree=self.tree_round if k else 0)
         return [min(b, plan[s.request_id][0]) for s, b in zip(seqs, budgets)]
 
     def observe_round(self, seqs: list, proposals: list, paths: list[list[int]], draft_seconds: float,
@@ -769,10 +771,12 @@ class Planner:
         shape = self.tree_round
         trees = [(s.request_id, p, path) for s, p, path in zip(seqs, proposals, paths) if p.parents is not None]
         child_probs = {r: chances[r] for r, _, _ in trees if r in chances}
+        depth = self.lengths(shape)[0] if shape else 0  # (a row near its max_tokens may have grown fewer levels)
         for r, p, path in trees:
             if r in child_probs:
-                chances[r] = tree_record(p.parents, p.ranks, path, len(p.tokens), child_probs[r])
-        drafted = {s.request_id: (p.depth, len(path)) for s, p, path in zip(seqs, proposals, paths)}
+                chances[r] = tree_record(p.parents, p.ranks, path, len(p.tokens), depth, child_probs[r])
+        drafted = {s.request_id: (depth if p.parents is not None else p.depth, len(path))
+                   for s, p, path in zip(seqs, proposals, paths)}
         width = 1 + max((len(p.tokens) for p in proposals), default=0)
         self.observe(drafted, draft_seconds, verify_seconds, width, catch_up_seconds, self.probing, chances=chances)
         for size in (n for n in self.shapes() if 0 < n < shape):  # smaller trees: what the round's would have done
@@ -780,7 +784,7 @@ class Planner:
             for r, p, path in trees:
                 if p.ranks is None and size < len(p.tokens):
                     continue
-                record = tree_record(p.parents, p.ranks, path, size, child_probs.get(r))
+                record = tree_record(p.parents, p.ranks, path, size, depth, child_probs.get(r))
                 for acceptance in (learnt.acceptance.setdefault(r, Acceptance()), learnt.engine_wide):
                     acceptance.record_chances(record) if r in child_probs else acceptance.record(*record)
         self.chains_inferred = False

@@ -53,6 +53,7 @@ class SpecStats:
         num_probes: rounds in which a request the planner had switched off drafted a short probe.
         planned_trees: rounds in which the planner gave the request its drafter's tree (of those in ``planned_k``
             with K > 0; the others drafted chains).
+        planned_tree_nodes: the same per tree size (``{nodes: rounds}``: the whole tree or its best nodes).
         fanout_built: branches the speculation cache held at the lookups (the fan-out actually built, summed).
         fanout_power: the speculator's fitted r at the last lookup (``fanout_power: "auto"``; None before its fit).
         rounds_on_fast_backup: rounds on a miss whose drafts the fast (n-gram) backup made (``backup: fast``, or
@@ -80,16 +81,19 @@ class SpecStats:
     planned_k: dict[int, int] = field(default_factory=dict)
     num_probes: int = 0
     planned_trees: int = 0
+    planned_tree_nodes: dict[int, int] = field(default_factory=dict)
     fanout_built: int = 0
     fanout_power: float | None = None
     rounds_on_fast_backup: int = 0
 
-    def record_plan(self, k: int, probe: bool, tree: bool = False) -> None:
+    def record_plan(self, k: int, probe: bool, tree: int = 0) -> None:
         """Record the planner's draft length ``k`` for one request's round (``probe``: a probe of a request whose
-        speculation was off; ``tree``: the round drafts a tree of depth ``k``)."""
+        speculation was off; ``tree``: the round drafts a tree of depth ``k`` and this many nodes, 0: a chain)."""
         self.planned_k[k] = self.planned_k.get(k, 0) + 1
         self.num_probes += probe
-        self.planned_trees += tree
+        if tree:
+            self.planned_trees += 1
+            self.planned_tree_nodes[tree] = self.planned_tree_nodes.get(tree, 0) + 1
 
     def record_round(self, num_drafted: int, num_accepted: int, num_emitted: int) -> None:
         """Record one round: ``num_drafted`` proposed, ``num_accepted`` accepted (k), ``num_emitted`` emitted."""
@@ -155,7 +159,8 @@ class SpecStats:
             self.fanout_power = other.fanout_power
         self.accepted_lengths.extend(other.accepted_lengths)
         for mine, theirs in ((self.lookups_per_k, other.lookups_per_k), (self.hits_per_k, other.hits_per_k),
-                             (self.planned_k, other.planned_k)):
+                             (self.planned_k, other.planned_k),
+                             (self.planned_tree_nodes, other.planned_tree_nodes)):
             for k, v in theirs.items():
                 mine[k] = mine.get(k, 0) + v
         return self
@@ -163,7 +168,8 @@ class SpecStats:
     def summary(self) -> dict:
         """A JSON-ready dict of the headline figures (the server's ``spec_stats`` field). With a planner it adds
         ``planned_rounds_per_k`` (``{K: rounds}``, K = 0 included), ``rounds_without_speculation`` (rounds at K = 0),
-        ``probes`` and ``planned_tree_rounds`` (rounds that drafted a tree); with speculation cache lookups, the hit
+        ``probes``, ``planned_tree_rounds`` (rounds that drafted a tree) and ``planned_tree_nodes`` (``{nodes:
+        rounds}``, when a tree was drafted); with speculation cache lookups, the hit
         rates and the verifier's mean wait per round on hits and on misses in milliseconds (``wait_on_hit_ms``,
         ``wait_on_miss_ms``; None without such rounds), the misses the fast backup answered
         (``rounds_on_fast_backup``, of ``rounds_on_miss``), the branches the cache
@@ -195,4 +201,6 @@ class SpecStats:
             out["rounds_without_speculation"] = self.planned_k.get(0, 0)
             out["probes"] = self.num_probes
             out["planned_tree_rounds"] = self.planned_trees
+            if self.planned_tree_nodes:
+                out["planned_tree_nodes"] = dict(sorted(self.planned_tree_nodes.items()))
         return out

@@ -122,21 +122,19 @@ def chain_acceptance_probs(p: torch.Tensor, q: torch.Tensor | None, draft_tokens
 def tree_child_probs(probs: torch.Tensor, nodes: list[int], parents: list[int],
                      path: list[int]) -> list[dict[int, float]]:
     """The target's probability of each child of the root and of each node of the accepted ``path`` (as
-    :func:`tree_verify` returned it), ``{child node id: p_u(child's token)}``, one entry per depth tried as a
-    draw-based record counts them (``min(len(path) + 1, depth)``; empty for a node without children above the
-    tree's depth). An entry's sum is the chance that the walk went on past that depth (:func:`tree_verify`); its
-    sum over a sub-tree's nodes is the sub-tree's chance (:func:`ssd_eagle.planner.tree_record`).
+    :func:`tree_verify` returned it), ``{child node id: p_u(child's token)}``, ``len(path) + 1`` entries (the last
+    node's empty when it has no children). An entry's sum is the chance that the walk went on past that node
+    (:func:`tree_verify`); its sum over a sub-tree's nodes is the sub-tree's chance
+    (:func:`ssd_eagle.planner.tree_record`).
 
     Args:
         probs: processed target probabilities [n, V] for the root (index 0) and the nodes.
         nodes / parents: the tree, as for :func:`tree_verify`.
     """
     children: dict[int, list[int]] = {}
-    depth = [0]
     for i, parent in enumerate(parents, start=1):
         children.setdefault(parent, []).append(i)
-        depth.append(depth[parent] + 1)
-    tried = [children.get(u, []) for u in ([0] + path)[: max(depth)]]
+    tried = [children.get(u, []) for u in [0] + path]
     rows = [u for u, kids in zip([0] + path, tried) for _ in kids]
     values = probs[rows, [nodes[c - 1] for kids in tried for c in kids]].tolist() if rows else []  # (one sync)
     out, at = [], 0

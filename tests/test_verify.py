@@ -199,6 +199,6 @@ def test_tree_child_probs_gives_the_targets_probability_of_each_child_along_the_
 
     probs = torch.tensor([[0.1, 0.5, 0.2, 0.2], [0.6, 0.1, 0.1, 0.2], [0.25] * 4, [0.25] * 4])
     kids = tree_child_probs(probs, nodes=[1, 2, 0], parents=[0, 0, 1], path=[1, 3])
-    assert kids == [{1: pytest.approx(0.5), 2: pytest.approx(0.2)}, {3: pytest.approx(0.6)}]
+    assert kids == [{1: pytest.approx(0.5), 2: pytest.approx(0.2)}, {3: pytest.approx(0.6)}, {}]
     assert tree_child_probs(probs, [1, 2, 0], [0, 0, 1], []) == [{1: pytest.approx(0.5), 2: pytest.approx(0.2)}]
     assert tree_child_probs(probs, [1, 2, 0], [0, 0, 1], [2]) == [{1: pytest.approx(0.5), 2: pytest.approx(0.2)}, {}]

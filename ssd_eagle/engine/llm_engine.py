@@ -102,10 +102,14 @@ class LLMEngine:
         if cuda_graphs and self.target.device.type == "cuda":
             from ssd_eagle.cuda_graphs import StaticForward, runner_forward_fn
 
-            widths = sorted({1, self.K + 1, self.max_draft_tokens + 1})
+            widths = {1, self.K + 1, self.max_draft_tokens + 1}
+            if self.max_draft_tokens > self.K and getattr(drafter, "mode", "sd") == "sd":  # an SD tree's sizes
+                from ssd_eagle.planner import tree_size_ladder
+
+                widths |= {n + 1 for n in tree_size_ladder(self.max_draft_tokens)}
             self.static = StaticForward(runner_forward_fn(self.target, self.needs_aux), self.target.kv,
                                         scratch_slot=max_num_seqs, dtype=self.target.dtype,
-                                        device=self.target.device, widths=widths,
+                                        device=self.target.device, widths=sorted(widths),
                                         buckets=[b for b in (1, 2, 4, 8, 16, 32, 64) if b < max_num_seqs]
                                         + [max_num_seqs])
         if not cuda_graphs and getattr(drafter, "backend", None) is not None:
