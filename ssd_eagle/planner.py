@@ -434,7 +434,8 @@ class PlannerConfig:
             tree (:meth:`Proposal.top <ssd_eagle.drafters.base.Proposal.top>`; empty: ``tree_nodes`` only). Each is a
             shape of its own (its acceptance learnt apart; drafting costs the same); a round of n nodes teaches every
             smaller size exactly (:func:`tree_record`), a larger one is learnt on exploring rounds, like a longer
-            chain.
+            chain. A tree is expected to accept at least what its smaller trees do (:meth:`Planner.expected`), and
+            a smaller tree is planned only once ``min_rounds`` rounds measured it (:meth:`Planner.measured`).
         chains: with ``tree_nodes``, chains (of 1..max_k tokens, or max_k with an explicit K) compete with the tree
             round by round: each shape's acceptance and drafting cost are learnt from its own rounds (and a
             greedy row's chain acceptance from its tree rounds too, :func:`greedy_chain_record`), the plan is the

@@ -113,6 +113,24 @@ def test_the_planner_verifies_the_tree_size_that_pays_and_explores_the_whole_tre
     assert tree_size_ladder(12) == (2, 3, 6, 12) and tree_size_ladder(6) == (2, 3, 6) and tree_size_ladder(1) == (1,)
 
 
+def test_a_tree_is_expected_to_accept_what_its_best_nodes_do_and_a_size_needs_min_rounds():
+    """The whole tree measured unluckily (reach 0.3 a depth over 2 rounds) against its best 4 nodes (0.7 over 200:
+    every round of the whole tree taught them too): the whole tree is expected to accept at least what its 4 nodes
+    accept. A smaller size is planned only once ``min_rounds`` rounds measured it: with 3 rounds behind the 4-node
+    tree the whole one stays the plan though the 4-node tree is cheaper."""
+    planner = size_planner([1.0] * 9, {2: 0.5, 4: 0.7})
+    unlucky = Acceptance(tried=[2.0] * 3, accepted=[0.6] * 3, decay=1.0)
+    planner.learnt(8).acceptance["r"] = planner.learnt(8).engine_wide = unlucky
+    assert planner.expected(3, "r", 8) == pytest.approx(planner.expected(3, "r", 4)) == pytest.approx(2.533, rel=1e-3)
+    assert planner.expected(3, "r", 2) == pytest.approx(1.875, rel=1e-3)
+    steep = size_planner([1.0] * 5 + [1.2] * 4, {4: 0.7, 8: 0.72}, min_rounds=6)
+    few = Acceptance(tried=[3.0] * 3, accepted=[2.1] * 3, decay=1.0)
+    steep.learnt(4).acceptance["r"] = steep.learnt(4).engine_wide = few
+    assert steep.choose(["r"]) == {"r": 3} and steep.tree_round == 8
+    few.tried, few.accepted = [6.0] * 3, [4.2] * 3
+    assert steep.choose(["r"]) == {"r": 3} and steep.tree_round == 4
+
+
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_observe_round_teaches_every_smaller_size_from_the_round(temperature):
     pool = random_pool(3, vocab=6)
