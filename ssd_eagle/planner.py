@@ -522,6 +522,7 @@ class Planner:
         self.tree_round = self.shapes()[-1]  # the planned round's shape
         self.warm_rounds_left = config.warm_rounds  # the drafter's warm-up rounds, not learnt
         self.probing = False  # the planned round is a probe (its drafting time is not learnt)
+        self.budgets: dict[str, int] = {}  # each request's draft budget this round (plan)
         self.verify_scale = 1.0  # measured verify time / table prediction (EMA)
         self.catch_up_cost = 0.0  # seconds a drafter spends catching up on the rounds it skipped (EMA over probes)
         self.idle_rounds: dict[str, int] = {}
@@ -779,7 +780,9 @@ class Planner:
             k, probe = plan[seq.request_id]
             for stats in (seq.stats, totals) if totals is not None else (seq.stats,):
                 stats.record_plan(k, probe, tree=self.tree_round if k else 0)
-        return [min(b, plan[s.request_id][0]) for s, b in zip(seqs, budgets)]
+        out = [min(b, plan[s.request_id][0]) for s, b in zip(seqs, budgets)]
+        self.budgets = {s.request_id: b for s, b in zip(seqs, out)}
+        return out
 
     def observe_round(self, seqs: list, proposals: list, paths: list[list[int]], draft_seconds: float,
                       verify_seconds: float, catch_up_seconds: float = 0.0,
@@ -792,11 +795,15 @@ class Planner:
         shape = self.tree_round
         trees = [(s.request_id, p, path) for s, p, path in zip(seqs, proposals, paths) if p.parents is not None]
         child_probs = {r: chances[r] for r, _, _ in trees if r in chances}
-        depth = self.lengths(shape)[0] if shape else 0  # (a row near its max_tokens may have grown fewer levels)
+        # the levels each tree grew: the planned depth within the row's budget (a row near its max_tokens grows
+        # fewer); a tree without ranks (an SSD speculator's, whose build may stop early) as deep as it is
+        planned = self.lengths(shape)[0] if shape else 0
+        grown = {r: min(planned, self.budgets.get(r, planned)) if p.ranks is not None else p.depth
+                 for r, p, _ in trees}
         for r, p, path in trees:
             if r in child_probs:
-                chances[r] = tree_record(p.parents, p.ranks, path, len(p.tokens), depth, child_probs[r])
-        drafted = {s.request_id: (depth if p.parents is not None else p.depth, len(path))
+                chances[r] = tree_record(p.parents, p.ranks, path, len(p.tokens), grown[r], child_probs[r])
+        drafted = {s.request_id: (grown[s.request_id] if p.parents is not None else p.depth, len(path))
                    for s, p, path in zip(seqs, proposals, paths)}
         width = 1 + max((len(p.tokens) for p in proposals), default=0)
         self.observe(drafted, draft_seconds, verify_seconds, width, catch_up_seconds, self.probing, chances=chances)
@@ -805,7 +812,7 @@ class Planner:
             for r, p, path in trees:
                 if p.ranks is None and size < len(p.tokens):
                     continue
-                record = tree_record(p.parents, p.ranks, path, size, depth, child_probs.get(r))
+                record = tree_record(p.parents, p.ranks, path, size, grown[r], child_probs.get(r))
                 for acceptance in (learnt.acceptance.setdefault(r, Acceptance()), learnt.engine_wide):
                     acceptance.record_chances(record) if r in child_probs else acceptance.record(*record)
         self.chains_inferred = False
@@ -841,7 +848,7 @@ class Planner:
 
 def tree_size_ladder(nodes: int) -> tuple[int, ...]:
     """The tree sizes an SD tree drafter's rounds choose among: ``nodes`` halved (rounded up) down to 2, e.g.
-    12 -> (3, 6, 12): every size is learnt from the larger rounds (:func:`tree_record`), so a size's first
+    12 -> (2, 3, 6, 12): every size is learnt from the larger rounds (:func:`tree_record`), so a size's first
     estimate needs no round of its own, and a verification over fewer nodes is what it saves."""
     sizes = {nodes}
     while nodes > 2:

@@ -186,3 +186,18 @@ def test_a_tree_drafter_drafts_the_planned_size_and_stays_exact(byte_tokenizer):
         engine.close()
     assert out.token_ids == reference_greedy(target, prompt, 40)
     assert sizes[0] == 6 and all(n <= 3 for n in sizes[1:8]) and engine.planner.tree_sizes.get(3, 0) >= 7
+
+
+def test_a_row_near_its_end_counts_only_the_levels_its_budget_let_grow():
+    """A depth-4 tree planned, but the row's budget (its max_tokens) lets one level grow: three siblings, the first
+    accepted. Depth 1 was tried and accepted; nothing deeper was tried (not a rejection at depth 2)."""
+    from ssd_eagle.stats import SpecStats
+
+    planner = Planner(PlannerConfig(max_k=4, tree_nodes=8, tree_sizes=(2, 4), learn_costs=False),
+                      CostTable({1: [1.0] * 9}))
+    seq = SimpleNamespace(request_id="r", params=SimpleNamespace(greedy=True), stats=SpecStats())
+    assert planner.plan([seq], [1]) == [1] and planner.tree_round == 8
+    tree = Proposal([5, 6, 7], parents=[0, 0, 0], ranks=[0, 1, 2])
+    planner.observe_round([seq], [tree], [[1]], 0.0, 1.0)
+    for n in (2, 4, 8):
+        assert planner.learnt(n).acceptance["r"].tried == [1.0] and planner.learnt(n).acceptance["r"].accepted == [1.0]
