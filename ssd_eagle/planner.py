@@ -135,7 +135,7 @@ def _cached(key: str, measure, encode, decode, cache: bool):
 
 @torch.inference_mode()
 def measure_verify_costs(runner, max_new: int, max_batch: int = 1, context: int = 128, repeats: int = 3,
-                         cache: bool = True) -> CostTable:
+                         cache: bool = True, forward=None) -> CostTable:
     """Time the target's forward over n = 1..``max_new`` new tokens after a ``context``-token prefix, for every
     batch bucket up to ``max_batch`` (the least of ``repeats`` passes over every n, after one warm-up pass:
     interference from other work only adds time; timed n after n, a table measured in a float16 SSD engine on an
@@ -146,6 +146,9 @@ def measure_verify_costs(runner, max_new: int, max_batch: int = 1, context: int 
             contents are overwritten: call this before any request is admitted).
         context: prefix length, capped so that ``context + max_new`` fits the runner's cache.
         cache: read and write the table under ``cache_dir()/costs`` keyed by :func:`cost_key`.
+        forward: what a round's verification runs on a :class:`~ssd_eagle.kv_cache.ForwardBatch` (default:
+            ``runner.forward``): an engine that replays CUDA graphs passes its own, since a width padded to a
+            captured one costs what the padded graph costs, not what an eager forward of that width would.
 
     Returns:
         The :class:`CostTable`.
@@ -154,7 +157,8 @@ def measure_verify_costs(runner, max_new: int, max_batch: int = 1, context: int 
 
     buckets = tuple(b for b in BATCH_BUCKETS if b < max_batch) + (max_batch,)
     context = max(1, min(context, runner.kv.max_len - max_new))  # a short max_model_len still fits the probe
-    key = cost_key(runner.model, max_new, buckets)
+    key = cost_key(runner.model, max_new, buckets, *(("own forward",) if forward is not None else ()))
+    forward = forward or runner.forward
 
     def measure() -> CostTable:
         verify: dict[int, list[float]] = {}
@@ -164,21 +168,26 @@ def measure_verify_costs(runner, max_new: int, max_batch: int = 1, context: int 
                            logits_index=torch.zeros(b, 1, dtype=torch.long, device=runner.device))
             batches = [ForwardBatch.causal([[0] * n] * b, slots, [context] * b, runner.dtype, runner.device)
                        for n in range(1, max_new + 1)]
-            verify[b] = least_of_passes([lambda batch=batch: runner.forward(batch) for batch in batches], repeats)
+            verify[b] = least_of_passes([lambda batch=batch: forward(batch) for batch in batches], repeats,
+                                        runner.device)
         return CostTable(verify, key)
 
     return _cached(key, measure, CostTable.to_json, CostTable.from_json, cache)
 
 
-def least_of_passes(calls: list, repeats: int) -> list[float]:
+def least_of_passes(calls: list, repeats: int, device: torch.device | str | None = None) -> list[float]:
     """Seconds of each call: the least of ``repeats`` timed passes over all of them, after one warm-up pass. Passes
     over every call, not call after call: a disturbance of a few hundred ms spoils one pass's entries, which the
-    least drops, not every entry of a range of calls."""
+    least drops, not every entry of a range of calls. On a CUDA ``device`` each call is timed from an idle device
+    to its kernels' end (they run asynchronously: without the syncs it times their launch)."""
+    sync = torch.cuda.synchronize if device is not None and torch.device(device).type == "cuda" else (lambda: None)
     times = [[] for _ in calls]
     for _ in range(repeats + 1):
         for i, call in enumerate(calls):
+            sync()
             start = time.perf_counter()
             call()
+            sync()
             times[i].append(time.perf_counter() - start)
     return [min(t[1:]) for t in times]
 
@@ -231,7 +240,7 @@ def measure_draft_costs(backend, max_k: int, tree=None, context: int = 128, repe
         backend.write(0, seq.token_ids[first:context], 0, None if features is None else features[: context - first])
         pending = [None if features is None else features[:2]]
         calls = [lambda k=k: draft_from_committed(backend, [seq], [context], pending, [k], None, tree) for k in ks]
-        return dict(zip(ks, least_of_passes(calls, repeats)))
+        return dict(zip(ks, least_of_passes(calls, repeats, backend.device)))
 
     return _cached(key, measure, lambda costs: json.dumps({str(k): v for k, v in costs.items()}),
                    lambda text: {int(k): float(v) for k, v in json.loads(text).items()}, cache)
@@ -892,7 +901,9 @@ def planner_for(engine, spec) -> Planner | None:
     tree = spec.tree_settings()
     chains = tree is None or mode == "sd"  # (an SD tree drafter drafts chains too; an SSD speculator builds trees)
     k = spec.num_speculative_tokens if chains else tree.depth
-    costs = measure_verify_costs(engine.target, spec.max_draft_tokens + 1, engine.max_num_seqs)
+    static = getattr(engine, "static", None) is not None  # (CUDA graphs: a round's widths pad to captured ones)
+    costs = measure_verify_costs(engine.target, spec.max_draft_tokens + 1, engine.max_num_seqs,
+                                 forward=engine._verify_forward if static else None)
     backend = getattr(engine.drafter, "backend", None)  # (an SD neural drafter's; SSD's wait is learnt online)
     measure = mode == "sd" and isinstance(backend, DraftBackend)
     draft_costs = measure_draft_costs(backend, k) if measure and chains else None

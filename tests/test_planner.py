@@ -313,6 +313,28 @@ def test_measure_verify_costs_on_a_tiny_model_is_cached(tmp_path, monkeypatch):
     assert measure_verify_costs(runner, max_new=3, max_batch=2, context=16) == table  # read back, not re-timed
 
 
+def test_verify_costs_are_timed_through_the_forward_a_round_runs(tmp_path, monkeypatch):
+    """An engine replaying CUDA graphs pads a round's width to a captured one (here 1 and 4): its table is timed
+    through that forward, so widths 2..4 cost what width 4 does (an eager table read them cheaper), and is cached
+    apart from the eager one. (Also: on a CUDA device every timed call is synchronised, least_of_passes.)"""
+    import time as clock
+
+    from ssd_eagle.model_runner import ModelRunner
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    runner = ModelRunner(make_tiny_llama(), num_slots=2, max_len=256)
+    widths = []
+
+    def padded(batch):
+        width = 1 if batch.input_ids.shape[1] == 1 else 4
+        widths.append(batch.input_ids.shape[1])
+        clock.sleep(0.01 * width)
+
+    table = measure_verify_costs(runner, max_new=4, context=16, repeats=1, forward=padded)
+    assert sorted(set(widths)) == [1, 2, 3, 4] and table.verify[1][0] < 0.02 < 0.04 <= min(table.verify[1][1:])
+    assert measure_verify_costs(runner, max_new=4, context=16, repeats=1).key != table.key
+
+
 @pytest.mark.parametrize("kind", ["draft_model", "eagle3", "eagle3_tree"])
 def test_measure_draft_costs_times_each_draft_length_once_and_is_cached(kind, tmp_path, monkeypatch):
     """Chains: D(k) for k = 1..K, each > 0; a tree: its whole depth. Read back from the cache, not re-timed."""
@@ -454,6 +476,12 @@ def test_planner_for_measures_costs_for_sd_chains_and_trees(byte_tokenizer, tmp_
     tree = planner_for(engine, SpeculativeConfig(method="draft_model", model="d", tree_budget=8, tree_depth=4))
     assert tree.config.tree_nodes == 8 and tree.config.tree_depth == 4 and len(tree.costs.verify[1]) == 9
     assert tree.config.chains and tree.config.max_k == 5  # (SD: chains of up to K compete with the tree)
+    assert tree.config.tree_sizes == (2, 4, 8)  # (and the tree's best 4 and 2 nodes)
+    timed = []
+    engine.static = lambda batch: timed.append(batch.input_ids.shape[1])  # (CUDA graphs: None = not covered)
+    planner_for(engine, SpeculativeConfig(method="ngram", num_speculative_tokens=2))
+    engine.static = None
+    assert sorted(set(timed)) == [1, 2, 3]  # timed through the engine's own verify forward
     assert planner.draft_costs == {False: {}, True: {}}  # (an n-gram lookup has no draft model to time: learnt online)
     neural = LLMEngine(target, byte_tokenizer, make_drafter("noisy", target, 2), num_speculative_tokens=3,
                        max_num_seqs=2, max_model_len=256)
