@@ -782,14 +782,17 @@ class Planner:
     def plan(self, seqs: list, budgets: list[int], totals: SpecStats | None = None) -> list[int]:
         """The engine's hook before drafting: each sequence's draft budget cut to the planned length. The decision
         is recorded in every sequence's ``stats`` and in ``totals`` (the engine's aggregate), as
-        :meth:`SpecStats.record_plan <ssd_eagle.stats.SpecStats.record_plan>`."""
-        plan = self.decide([s.request_id for s in seqs])
+        :meth:`SpecStats.record_plan <ssd_eagle.stats.SpecStats.record_plan>`. Rows with no room to draft (a
+        zero budget: at their max_tokens) decode plainly and take no part in the decision (nor in its probes and
+        exploring rounds, which they would spend on nothing)."""
+        active = [s.request_id for s, b in zip(seqs, budgets) if b > 0]
+        plan = self.decide(active) if active else {}
         self.probing = any(probe for _, probe in plan.values())
         for seq in seqs:
-            k, probe = plan[seq.request_id]
+            k, probe = plan.get(seq.request_id, (0, False))
             for stats in (seq.stats, totals) if totals is not None else (seq.stats,):
                 stats.record_plan(k, probe, tree=self.tree_round if k else 0)
-        out = [min(b, plan[s.request_id][0]) for s, b in zip(seqs, budgets)]
+        out = [min(b, plan[s.request_id][0]) if b > 0 else 0 for s, b in zip(seqs, budgets)]
         self.budgets = {s.request_id: b for s, b in zip(seqs, out)}
         return out
 

@@ -117,6 +117,21 @@ def test_chains_are_measured_on_exploring_rounds_and_take_over_where_they_pay():
     assert planner.tree_rounds == 9 and planner.explored == 3
 
 
+def test_rows_without_room_to_draft_spend_no_exploring_round():
+    """A row at its max_tokens (budget 0) decodes plainly and is not planned: its rounds neither explore (the
+    exploring round would draft nothing and still double the interval) nor count as decisions."""
+    from types import SimpleNamespace
+
+    from ssd_eagle.stats import SpecStats
+
+    planner = planner_with([1.0] * 6, rate=0.8, max_k=5, explore_every=2, probe_overhead=1.0)
+    done = SimpleNamespace(request_id="r", stats=SpecStats())
+    for _ in range(6):
+        assert planner.plan([done], [0]) == [0]
+    assert planner.explored == 0 and planner.decisions == {} and done.stats.planned_k == {0: 6}
+    assert planner.plan([done], [5]) == [5]
+
+
 def test_not_adaptive_always_drafts_k():
     planner = planner_with([1.0, 2.0, 3.0, 4.0, 5.0, 6.0], rate=0.0, adaptive=False)
     assert planner.choose(["r"]) == {"r": 5}
