@@ -73,7 +73,14 @@ class CostTable:
         # a forward over more new tokens never costs less: a V(n) above a later V(m) was slowed by something else
         # (a table measured on a shared 2-core Xeon read V(4) = 60.5 ms between V(3) = 48.2 and V(5) = 47.9, and
         # the planner avoided K = 3 for good), so each entry is the least of itself and every later one
-        self.verify = {b: [min(row[n:]) for n in range(len(row))] for b, row in self.verify.items()}
+        self.verify = {b: [min(row[n:]) for n in range(len(row))] for b, row in sorted(self.verify.items())}
+        # nor a forward over more rows: a server started while another process held the second core measured
+        # bucket 1 at V(1..7) = 680-1602 ms and bucket 4 at 47-62 ms, cached it, and never drafted again (a 7-token
+        # verification read 2.4x a step), so each entry is also the least of the larger buckets' at that n
+        larger: list[float] = []
+        for b in sorted(self.verify, reverse=True):
+            row = self.verify[b]
+            self.verify[b] = larger = [min(t, larger[n]) if n < len(larger) else t for n, t in enumerate(row)]
 
     def verify_time(self, n: int, batch: int = 1) -> float:
         """Seconds of a forward over ``n >= 1`` new tokens for ``batch`` rows."""

@@ -316,6 +316,19 @@ def test_a_cost_table_never_lets_a_longer_forward_cost_less():
     assert CostTable.from_json(CostTable({1: measured}).to_json()).verify == table.verify
 
 
+def test_a_cost_table_never_lets_a_larger_batch_cost_less():
+    """The table a server measured while another process held the second core (ms): bucket 1 slowed 14x, bucket 2
+    4x, 4 and 8 as usual. Each entry becomes the least of the larger buckets' at that n (and of its later n), so
+    one request's round is planned at bucket 4's costs: drafting pays again."""
+    ms = {1: [679.8, 1126.9, 1255.6, 1255.6, 1255.6, 1255.6, 1601.5], 2: [175.0] * 7,
+          4: [47.1, 52.0, 54.0, 59.1, 59.1, 61.5, 61.5], 8: [52.6, 65.5, 69.8, 73.3, 81.2, 86.7, 98.4]}
+    table = CostTable({b: [t / 1e3 for t in row] for b, row in ms.items()})
+    assert [round(t * 1e3, 1) for t in table.verify[1]] == ms[4] == [round(t * 1e3, 1) for t in table.verify[2]]
+    assert [round(t * 1e3, 1) for t in table.verify[8]] == ms[8]
+    short = CostTable({1: [0.05, 0.06, 0.07], 2: [0.04, 0.045]})  # (a larger bucket measured over fewer n)
+    assert short.verify[1] == [0.04, 0.045, 0.07]
+
+
 def test_measure_verify_costs_on_a_tiny_model_is_cached(tmp_path, monkeypatch):
     from ssd_eagle.model_runner import ModelRunner
 
