@@ -494,19 +494,36 @@ class Learnt:
 
     Attributes:
         acceptance: per request id, its per-position acceptance.
-        engine_wide: the same over all requests (each request's prior).
+        engine_wide: the same over all requests.
+        by_kind: the same over the greedy (True) or the sampled (False) requests: a request's prior is its kind's,
+            once that kind was measured (else ``engine_wide``). Drafts accept far more at T = 0 than at T = 1: a
+            server's greedy request after a T = 1 one started from the T = 1 rates, planned 1-token chains for 38
+            of its 48 rounds and reached tau 1.31 (SmolLM2's EAGLE-3 tree, bf16).
         draft_cost: seconds of a round's drafting against its draft length (a tree's: its depth; one line for
             all tree sizes, which grow the same levels).
     """
 
     acceptance: dict[str, Acceptance] = field(default_factory=dict)
     engine_wide: Acceptance = field(default_factory=lambda: Acceptance(decay=0.98))
+    by_kind: dict[bool, Acceptance] = field(default_factory=dict)
     draft_cost: OnlineLine = field(default_factory=OnlineLine)
 
     @property
     def rounds(self) -> float:
         """Rounds of this shape verified engine-wide (a faded count)."""
         return self.engine_wide.tried[0] if self.engine_wide.tried else 0.0
+
+    def prior(self, greedy: bool | None) -> Acceptance:
+        """The acceptance a request of this kind (None: unknown) shrinks toward."""
+        kind = self.by_kind.get(greedy)
+        return kind if kind is not None and kind.tried and kind.tried[0] > 0 else self.engine_wide
+
+    def records(self, request_id: str, greedy: bool | None) -> list[Acceptance]:
+        """Where a round of this request is recorded: its own, the engine-wide and its kind's acceptance."""
+        out = [self.acceptance.setdefault(request_id, Acceptance()), self.engine_wide]
+        if greedy is not None:
+            out.append(self.by_kind.setdefault(greedy, Acceptance(decay=0.98)))
+        return out
 
 
 class Planner:
@@ -539,6 +556,7 @@ class Planner:
         self.warm_rounds_left = config.warm_rounds  # the drafter's warm-up rounds, not learnt
         self.probing = False  # the planned round is a probe (its drafting time is not learnt)
         self.budgets: dict[str, int] = {}  # each request's draft budget this round (plan)
+        self.greedy: dict[str, bool] = {}  # each planned request's kind (plan): its acceptance prior's
         self.verify_scale = 1.0  # measured verify time / table prediction (EMA)
         self.catch_up_cost = 0.0  # seconds a drafter spends catching up on the rounds it skipped (EMA over probes)
         self.idle_rounds: dict[str, int] = {}
@@ -618,7 +636,7 @@ class Planner:
         best = 0.0
         for n in sizes:
             learnt = self.learnt(n)
-            prior = learnt.engine_wide.rates(max(k, 1), weight=2.0)
+            prior = learnt.prior(self.greedy.get(request_id)).rates(max(k, 1), weight=2.0)
             best = max(best, expected_tokens(learnt.acceptance.get(request_id, Acceptance()).rates(k, prior)))
         return best
 
@@ -767,7 +785,7 @@ class Planner:
             draft_seconds -= catch_up_seconds
         chances = chances or {}
         for r, (n, k) in drafted.items():
-            for acceptance in (learnt.acceptance.setdefault(r, Acceptance()), learnt.engine_wide):
+            for acceptance in learnt.records(r, self.greedy.get(r)):
                 if r in chances:
                     acceptance.record_chances(chances[r])
                 else:
@@ -792,6 +810,7 @@ class Planner:
         :meth:`SpecStats.record_plan <ssd_eagle.stats.SpecStats.record_plan>`. Rows with no room to draft (a
         zero budget: at their max_tokens) decode plainly and take no part in the decision (nor in its probes and
         exploring rounds, which they would spend on nothing)."""
+        self.greedy.update((s.request_id, bool(s.params.greedy)) for s in seqs)
         active = [s.request_id for s, b in zip(seqs, budgets) if b > 0]
         plan = self.decide(active) if active else {}
         self.probing = any(probe for _, probe in plan.values())
@@ -832,15 +851,15 @@ class Planner:
                 if p.ranks is None and size < len(p.tokens):
                     continue
                 record = tree_record(p.parents, p.ranks, path, size, grown[r], child_probs.get(r))
-                for acceptance in (learnt.acceptance.setdefault(r, Acceptance()), learnt.engine_wide):
+                for acceptance in learnt.records(r, self.greedy.get(r)):
                     acceptance.record_chances(record) if r in child_probs else acceptance.record(*record)
         self.chains_inferred = False
         if shape and 0 in self.shapes():  # greedy rows: what a chain would have accepted, for free
             inferred = {s.request_id: greedy_chain_record(p.parents, path)
                         for s, p, path in zip(seqs, proposals, paths) if s.params.greedy and p.parents is not None}
             for r, (n, k) in inferred.items():
-                self.chain.acceptance.setdefault(r, Acceptance()).record(n, k)
-                self.chain.engine_wide.record(n, k)
+                for acceptance in self.chain.records(r, True):
+                    acceptance.record(n, k)
             # (chains past a shallower tree's depth are still explored)
             self.chains_inferred = len(inferred) == len(seqs) and self.lengths(shape)[0] >= self.config.max_k
 
@@ -849,6 +868,7 @@ class Planner:
             learnt.acceptance.pop(request_id, None)
         self.idle_rounds.pop(request_id, None)
         self.probe_interval.pop(request_id, None)
+        self.greedy.pop(request_id, None)
 
     def summary(self) -> dict:
         """JSON-ready planner state: rounds per chosen K (exploring rounds included), the rounds planned as trees

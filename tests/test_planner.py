@@ -125,11 +125,34 @@ def test_rows_without_room_to_draft_spend_no_exploring_round():
     from ssd_eagle.stats import SpecStats
 
     planner = planner_with([1.0] * 6, rate=0.8, max_k=5, explore_every=2, probe_overhead=1.0)
-    done = SimpleNamespace(request_id="r", stats=SpecStats())
+    done = SimpleNamespace(request_id="r", stats=SpecStats(), params=SimpleNamespace(greedy=True))
     for _ in range(6):
         assert planner.plan([done], [0]) == [0]
     assert planner.explored == 0 and planner.decisions == {} and done.stats.planned_k == {0: 6}
     assert planner.plan([done], [5]) == [5]
+
+
+def test_a_requests_prior_is_the_acceptance_of_requests_of_its_kind():
+    """Greedy rows accepted every draft, sampled rows none (20 rounds each, chains of 3): a new greedy request plans
+    the longest chain from its first round, a new sampled one plain decoding (before, both started from the mix:
+    a greedy request after T = 1 traffic drafted 1-token chains)."""
+    from types import SimpleNamespace
+
+    from ssd_eagle.stats import SpecStats
+
+    def seq(r: str, greedy: bool):
+        return SimpleNamespace(request_id=r, stats=SpecStats(), params=SimpleNamespace(greedy=greedy))
+
+    planner = Planner(PlannerConfig(max_k=3, learn_costs=False, probe_every=64),
+                      CostTable({1: [1.0, 1.25, 1.5, 1.75]}))
+    for r, greedy, accepted in (("g", True, 3), ("s", False, 0)):
+        for _ in range(20):
+            planner.plan([seq(r, greedy)], [3])
+            planner.observe({r: (3, accepted)}, 0.0, 1.0, 4)
+        planner.forget(r)
+    assert planner.plan([seq("g2", True)], [3]) == [3]
+    assert planner.plan([seq("s2", False)], [3]) == [0]
+    assert planner.chain.prior(None) is planner.chain.engine_wide  # (a request of unknown kind: all rows')
 
 
 def test_not_adaptive_always_drafts_k():
