@@ -215,8 +215,11 @@ def main(argv: list[str] | None = None) -> int:
     server = _draining_server(uvicorn.Config(app, log_config=None, access_log=False, lifespan="on",
                                              timeout_graceful_shutdown=5), app.state.server.async_engine,
                               args.graceful_timeout)
+    spec = config.speculative_config if engine.drafter is not None else None
     log.info("serving", extra={"fields": {"event": "serving", "host": args.host, "port": args.port,
                                           "model": args.model, "mode": engine.mode_name,
+                                          "speculative_config": spec.to_dict() if spec is not None else None,
+                                          "planner": engine.planner is not None,
                                           "max_model_len": engine.max_model_len, "max_num_seqs": engine.max_num_seqs,
                                           "auth": bool(args.api_key),
                                           "startup_s": round(time.perf_counter() - started, 3),

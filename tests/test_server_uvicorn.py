@@ -187,6 +187,7 @@ def test_json_logs(server, client):
     assert {"load target", "engine set-up", "planner cost model"} <= set(stages), stages
     assert min(stages.values()) >= 0 and serving["startup_s"] >= sum(stages.values())
     assert logs.index(next(e for e in logs if e.get("stage") == "load target")) < logs.index(serving)
+    assert "speculative_config" in serving and isinstance(serving["planner"], bool)  # (what the mode runs)
 
 
 def test_sigterm_drains(model_dir, tmp_path):
