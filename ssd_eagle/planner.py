@@ -654,13 +654,14 @@ class Planner:
             tree = shapes[-1]
             k = self.lengths(tree)[-1]
         else:
-            measured = [t for t in shapes if self.measured(t)] or [shapes[-1]]  # (until measured: the whole tree)
-            rates = {(c, t): self.rate(c, request_ids, t) for t in measured for c in self.lengths(t)}
-            k, tree = max(rates, key=lambda c: (rates[c], -c[0], -c[1]))  # (a tie: the shorter draft, smaller tree)
-            if self.rate(0, request_ids) > (1.0 + cfg.off_margin) * rates[k, tree] \
+            measured = [t for t in shapes if self.measured(t)]
+            k, tree = self._best(request_ids, measured or [shapes[-1]])  # (until measured: the whole tree)
+            if self.rate(0, request_ids) > (1.0 + cfg.off_margin) * self.rate(k, request_ids, tree) \
                     and not self.learning(k, request_ids, tree):
-                k = 0  # (probes try a shape never measured, the tree first: a tree off at once hid chains for good)
-                tree = next((t for t in reversed(shapes) if self.learnt(t).rounds == 0), tree)
+                k, tree = self._best(request_ids, shapes) if not measured else (0, tree)
+                if not self.learning(k, request_ids, tree):  # (nothing measured: a shape paying at the prior)
+                    k = 0  # (probes try a shape never measured, the tree first: a tree off at once hid chains)
+                    tree = next((t for t in reversed(shapes) if self.learnt(t).rounds == 0), tree)
             k, tree = self.explore(k, tree, len(request_ids))
         self.tree_round = tree
         self.decisions[k] = self.decisions.get(k, 0) + 1
@@ -683,6 +684,12 @@ class Planner:
             self.tree_rounds += 1
             self.tree_sizes[tree] = self.tree_sizes.get(tree, 0) + 1
         return out
+
+    def _best(self, request_ids: list[str], shapes: list[int]) -> tuple[int, int]:
+        """The ``(k, shape)`` of the highest expected rate among ``shapes`` (a tie: the shorter draft, the smaller
+        tree)."""
+        rates = {(c, t): self.rate(c, request_ids, t) for t in shapes for c in self.lengths(t)}
+        return max(rates, key=lambda c: (rates[c], -c[0], -c[1]))
 
     def measured(self, shape: int) -> bool:
         """Whether a shape may be planned: it was measured, and a tree smaller than the whole one over at least
