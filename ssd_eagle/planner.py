@@ -42,6 +42,9 @@ import torch
 from ssd_eagle.stats import SpecStats
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
+# a measured verify table whose entries had to be lowered by more than this factor to be consistent (a forward over
+# more tokens or rows never costs less, CostTable) was disturbed while it was timed: it is used but not cached
+DISTURBED = 1.5
 # PlannerConfig.min_rounds of the engines' planners (planner_for). Measured 2026-12-03 (2-core Intel Xeon with AMX,
 # bf16, 2 held-out prompts x 64 tokens, 3 interleaved passes, x AR at T = 0 / 0.5 / 1, 0 -> 6): planned EAGLE-3
 # chain 1.23 / 1.25 / 0.98 -> 1.28 / 1.16 / 1.17 (its worst pass 0.92 -> 1.14), planned tree 1.33 / 1.21 / 1.16 ->
@@ -64,6 +67,8 @@ class CostTable:
         verify: ``{bucket: [V(1), V(2), ..., V(N)]}`` in seconds; a batch uses the smallest bucket >= its size
             (the largest bucket beyond it, scaled linearly in B), n past N extrapolates the last slope.
         key: what the table was measured for (see :func:`cost_key`).
+        corrected: the largest factor by which an entry was lowered to keep the table consistent (1: none); a
+            measured table corrected by more than ``DISTURBED`` is not cached (:func:`measure_verify_costs`).
     """
 
     verify: dict[int, list[float]]
@@ -73,6 +78,7 @@ class CostTable:
         # a forward over more new tokens never costs less: a V(n) above a later V(m) was slowed by something else
         # (a table measured on a shared 2-core Xeon read V(4) = 60.5 ms between V(3) = 48.2 and V(5) = 47.9, and
         # the planner avoided K = 3 for good), so each entry is the least of itself and every later one
+        raw = self.verify
         self.verify = {b: [min(row[n:]) for n in range(len(row))] for b, row in sorted(self.verify.items())}
         # nor a forward over more rows: a server started while another process held the second core measured
         # bucket 1 at V(1..7) = 680-1602 ms and bucket 4 at 47-62 ms, cached it, and never drafted again (a 7-token
@@ -81,6 +87,8 @@ class CostTable:
         for b in sorted(self.verify, reverse=True):
             row = self.verify[b]
             self.verify[b] = larger = [min(t, larger[n]) if n < len(larger) else t for n, t in enumerate(row)]
+        self.corrected = max((t / c for b, row in raw.items() for t, c in zip(row, self.verify[b]) if c > 0),
+                             default=1.0)
 
     def verify_time(self, n: int, batch: int = 1) -> float:
         """Seconds of a forward over ``n >= 1`` new tokens for ``batch`` rows."""
@@ -123,9 +131,10 @@ def cost_key(model, *extent, code: tuple[str, ...] = RUNNER_CODE) -> str:
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:24]
 
 
-def _cached(key: str, measure, encode, decode, cache: bool):
+def _cached(key: str, measure, encode, decode, cache: bool, keep=lambda value: True):
     """``decode`` of the file ``cache_dir()/costs/<key>.json`` when ``cache`` and it exists, else ``measure()``,
-    written there atomically when ``cache``."""
+    written there atomically when ``cache`` and ``keep(value)`` (a measure that looks disturbed is used, not kept:
+    the next start measures again)."""
     from ssd_eagle.assets import cache_dir
     from ssd_eagle.io import atomic_write
 
@@ -133,7 +142,7 @@ def _cached(key: str, measure, encode, decode, cache: bool):
     if cache and path.exists():
         return decode(path.read_text())
     value = measure()
-    if cache:
+    if cache and keep(value):
         path.parent.mkdir(parents=True, exist_ok=True)
         with atomic_write(path) as tmp:
             tmp.write_text(encode(value))
@@ -179,7 +188,8 @@ def measure_verify_costs(runner, max_new: int, max_batch: int = 1, context: int 
                                         runner.device)
         return CostTable(verify, key)
 
-    return _cached(key, measure, CostTable.to_json, CostTable.from_json, cache)
+    return _cached(key, measure, CostTable.to_json, CostTable.from_json, cache,
+                   keep=lambda table: table.corrected <= DISTURBED)
 
 
 def least_of_passes(calls: list, repeats: int, device: torch.device | str | None = None) -> list[float]:

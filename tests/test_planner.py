@@ -386,6 +386,25 @@ def test_verify_costs_are_timed_through_the_forward_a_round_runs(tmp_path, monke
     assert measure_verify_costs(runner, max_new=4, context=16, repeats=1).key != table.key
 
 
+def test_a_disturbed_verify_table_is_used_but_not_cached(tmp_path, monkeypatch):
+    """One row timed 4x slower than two (another process held the core while bucket 1 was timed): the table is
+    made consistent (bucket 1 at most bucket 2's) and used, but not written to the cache, so the next start times
+    it again (a server cached such a table and never drafted)."""
+    import time as clock
+
+    from ssd_eagle.model_runner import ModelRunner
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    runner = ModelRunner(make_tiny_llama(), num_slots=3, max_len=256)
+
+    def disturbed(batch):
+        clock.sleep(0.04 if batch.input_ids.shape[0] == 1 else 0.01)
+
+    table = measure_verify_costs(runner, max_new=2, max_batch=2, context=16, repeats=1, forward=disturbed)
+    assert table.corrected > 3 and max(table.verify[1]) < 0.02
+    assert not list((tmp_path / "ssd_eagle" / "costs").glob("*.json"))
+
+
 @pytest.mark.parametrize("kind", ["draft_model", "eagle3", "eagle3_tree"])
 def test_measure_draft_costs_times_each_draft_length_once_and_is_cached(kind, tmp_path, monkeypatch):
     """Chains: D(k) for k = 1..K, each > 0; a tree: its whole depth. Read back from the cache, not re-timed."""
