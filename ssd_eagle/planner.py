@@ -369,7 +369,7 @@ def greedy_chain_record(parents: list[int], path: list[int]) -> tuple[int, int]:
     return (accepted + 1 if last in best else accepted), accepted
 
 
-def tree_record(parents: list[int], ranks: list[int] | None, path: list[int], nodes: int, depth: int,
+def tree_record(proposal, path: list[int], nodes: int, depth: int,
                 child_probs: list[dict[int, float]] | None = None) -> tuple[int, int] | list[float]:
     """What a verified tree round teaches of the sub-tree of its ``nodes`` best nodes
     (:meth:`Proposal.top <ssd_eagle.drafters.base.Proposal.top>`), as if that sub-tree had been drafted and verified
@@ -385,20 +385,18 @@ def tree_record(parents: list[int], ranks: list[int] | None, path: list[int], no
     per-depth rate must count, or it reads the rate of the sub-trees that do reach it and overrates a narrow tree.
 
     Args:
-        parents: each node's parent (0 = the root), nodes in the proposal's order; ranks: their ranks
-            (:attr:`~ssd_eagle.drafters.base.Proposal.ranks`; None: only the whole tree can be recorded).
+        proposal: the round's tree :class:`~ssd_eagle.drafters.base.Proposal` (without ``ranks`` only the whole
+            tree can be recorded).
         path: the accepted nodes (1-based ids), root to leaf.
         nodes: the sub-tree's size (the whole tree when it has no more nodes).
         depth: the levels the tree was grown to.
         child_probs: :func:`~ssd_eagle.verify.tree_child_probs` of the round (sampled rows), or None.
 
     Raises:
-        ValueError: a sub-tree smaller than the tree without ``ranks``.
+        ValueError: a sub-tree smaller than the tree without ``ranks``
+            (:meth:`~ssd_eagle.drafters.base.Proposal.best_nodes`).
     """
-    ids = range(1, len(parents) + 1)
-    if nodes < len(parents) and ranks is None:
-        raise ValueError(f"tree_record: a sub-tree of {nodes} of {len(parents)} nodes needs the nodes' ranks")
-    keep = set(sorted(ids, key=lambda i: ranks[i - 1])[:nodes]) if nodes < len(parents) else set(ids)
+    keep = proposal.best_nodes(nodes)
     accepted = next((j for j, node in enumerate(path) if node not in keep), len(path))
     if child_probs is None:
         return depth, accepted
@@ -572,8 +570,7 @@ class Planner:
         self.idle_rounds: dict[str, int] = {}
         self.probe_interval: dict[str, int] = {}
         self.decisions: dict[int, int] = {}
-        self.tree_rounds = 0  # rounds planned as trees (exploring rounds included)
-        self.tree_sizes: dict[int, int] = {}  # the same per tree size
+        self.tree_sizes: dict[int, int] = {}  # rounds planned as trees of each size (exploring rounds included)
         self.explored = 0  # exploring rounds run (:meth:`explore`)
         self.drafted_rounds = 0  # verified rounds that drafted (the evidence :meth:`learning` counts)
         self.chains_inferred = False  # the last tree round taught chains' acceptance too (greedy rows)
@@ -585,6 +582,11 @@ class Planner:
     def tree(self) -> Learnt:
         """What was learnt of the whole tree (``tree_nodes``)."""
         return self.trees[self.config.tree_nodes]
+
+    @property
+    def tree_rounds(self) -> int:
+        """Rounds planned as trees, of any size (exploring rounds included)."""
+        return sum(self.tree_sizes.values())
 
     def learnt(self, shape: int) -> Learnt:
         """What was learnt of a tree of ``shape`` nodes, or of chains (0)."""
@@ -665,10 +667,9 @@ class Planner:
             k = self.lengths(tree)[-1]
         else:
             measured = [t for t in shapes if self.measured(t)]
-            k, tree = self._best(request_ids, measured or [shapes[-1]])  # (until measured: the whole tree)
-            if self.rate(0, request_ids) > (1.0 + cfg.off_margin) * self.rate(k, request_ids, tree) \
-                    and not self.learning(k, request_ids, tree):
-                k, tree = self._best(request_ids, shapes) if not measured else (0, tree)
+            (k, tree), best = self._best(request_ids, measured or [shapes[-1]])  # (until measured: the whole tree)
+            if self.rate(0, request_ids) > (1.0 + cfg.off_margin) * best and not self.learning(k, request_ids, tree):
+                k, tree = self._best(request_ids, shapes)[0] if not measured else (0, tree)
                 if not self.learning(k, request_ids, tree):  # (nothing measured: a shape paying at the prior)
                     k = 0  # (probes try a shape never measured, the tree first: a tree off at once hid chains)
                     tree = next((t for t in reversed(shapes) if self.learnt(t).rounds == 0), tree)
@@ -691,15 +692,15 @@ class Planner:
                 self.probe_interval.pop(r, None)
                 out[r] = (k, False)
         if tree and any(n for n, _ in out.values()):
-            self.tree_rounds += 1
             self.tree_sizes[tree] = self.tree_sizes.get(tree, 0) + 1
         return out
 
-    def _best(self, request_ids: list[str], shapes: list[int]) -> tuple[int, int]:
+    def _best(self, request_ids: list[str], shapes: list[int]) -> tuple[tuple[int, int], float]:
         """The ``(k, shape)`` of the highest expected rate among ``shapes`` (a tie: the shorter draft, the smaller
-        tree)."""
+        tree), and that rate."""
         rates = {(c, t): self.rate(c, request_ids, t) for t in shapes for c in self.lengths(t)}
-        return max(rates, key=lambda c: (rates[c], -c[0], -c[1]))
+        best = max(rates, key=lambda c: (rates[c], -c[0], -c[1]))
+        return best, rates[best]
 
     def measured(self, shape: int) -> bool:
         """Whether a shape may be planned: it was measured, and a tree smaller than the whole one over at least
@@ -857,7 +858,7 @@ class Planner:
                  for r, p, _ in trees}
         for r, p, path in trees:
             if r in child_probs:
-                chances[r] = tree_record(p.parents, p.ranks, path, len(p.tokens), grown[r], child_probs[r])
+                chances[r] = tree_record(p, path, len(p.tokens), grown[r], child_probs[r])
         drafted = {s.request_id: (grown[s.request_id] if p.parents is not None else p.depth, len(path))
                    for s, p, path in zip(seqs, proposals, paths)}
         width = 1 + max((len(p.tokens) for p in proposals), default=0)
@@ -867,7 +868,7 @@ class Planner:
             for r, p, path in trees:
                 if p.ranks is None and size < len(p.tokens):
                     continue
-                record = tree_record(p.parents, p.ranks, path, size, grown[r], child_probs.get(r))
+                record = tree_record(p, path, size, grown[r], child_probs.get(r))
                 for acceptance in learnt.records(r, self.greedy.get(r)):
                     acceptance.record_chances(record) if r in child_probs else acceptance.record(*record)
         self.chains_inferred = False

@@ -767,7 +767,8 @@ def test_tree_chances_count_a_shallow_leaf_as_a_tried_depth():
     nodes, parents = [1, 2, 0], [0, 0, 1]
     draws, chances = Acceptance(decay=1.0), Acceptance(decay=1.0)
     draws.record(2, 1)
-    chances.record_chances(tree_record(parents, None, [2], 3, 2, tree_child_probs(probs, nodes, parents, [2])))
+    chances.record_chances(tree_record(Proposal(nodes, parents=parents), [2], 3, 2,
+                                       tree_child_probs(probs, nodes, parents, [2])))
     assert chances.tried == draws.tried == [1.0, 1.0] and chances.accepted == [pytest.approx(0.7), 0.0]
 
 

@@ -46,6 +46,8 @@ def test_the_best_n_nodes_of_a_tree_are_what_a_budget_of_n_selects(seed):
     assert cut.top(4).tokens == _select([e for e in pool if e[3] <= 2], budget=4).tokens
     with pytest.raises(ValueError, match="ranks"):
         Proposal([1, 2], parents=[0, 0]).top(1)
+    with pytest.raises(ValueError, match="ranks"):
+        tree_record(Proposal([1, 2], parents=[0, 0]), [1], 1, 1)
 
 
 def sub_rows(whole: Proposal, sub: Proposal) -> list[int]:
@@ -73,10 +75,10 @@ def test_a_round_of_the_whole_tree_teaches_each_smaller_size_exactly(seed, tempe
         rows = sub_rows(whole, sub)
         sub_probs = probs[rows] if temperature else None
         sub_path, _ = tree_verify(logits[rows], sub.tokens, sub.parents, sub_probs, torch.Generator().manual_seed(seed))
-        assert tree_record(whole.parents, whole.ranks, path, n, depth=4) == (4, len(sub_path))
+        assert tree_record(whole, path, n, depth=4) == (4, len(sub_path))
         if temperature:  # (depths past the sub-tree's own are tried with chance 0, up to the 4 levels grown)
             own = [sum(k.values()) for k in tree_child_probs(sub_probs, sub.tokens, sub.parents, sub_path)]
-            assert tree_record(whole.parents, whole.ranks, path, n, 4, kids) == \
+            assert tree_record(whole, path, n, 4, kids) == \
                 pytest.approx(own[: min(len(sub_path) + 1, 4)])
         reached = max(reached, len(sub_path))
     assert reached == len(path)
@@ -146,7 +148,7 @@ def test_observe_round_teaches_every_smaller_size_from_the_round(temperature):
     planner.observe_round([seq], [whole], [path], 0.0, 1.0, chances=chances)
     for n in (2, 4, 8):
         expected = Acceptance()
-        record = tree_record(whole.parents, whole.ranks, path, n, 4, chances["r"] if temperature else None)
+        record = tree_record(whole, path, n, 4, chances["r"] if temperature else None)
         expected.record_chances(record) if temperature else expected.record(*record)
         assert planner.learnt(n).acceptance["r"].accepted == pytest.approx(expected.accepted)
         assert planner.learnt(n).acceptance["r"].tried == expected.tried and planner.learnt(n).rounds > 0

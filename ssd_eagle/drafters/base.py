@@ -124,10 +124,21 @@ class Proposal:
         """
         if len(self.tokens) <= nodes:
             return self
-        if self.parents is None or self.ranks is None:
-            raise ValueError(f"top({nodes}) needs a tree proposal with ranks")
-        best = set(sorted(range(1, len(self.tokens) + 1), key=lambda i: self.ranks[i - 1])[:nodes])
+        best = self.best_nodes(nodes)
         return self._keep([i for i in range(1, len(self.tokens) + 1) if i in best])
+
+    def best_nodes(self, nodes: int) -> set[int]:
+        """The ids (1-based) of a tree's ``nodes`` best nodes by :attr:`ranks` (all of them when it has no more).
+
+        Raises:
+            ValueError: a tree without ranks that has more than ``nodes`` nodes.
+        """
+        ids = range(1, len(self.tokens) + 1)
+        if len(self.tokens) <= nodes:
+            return set(ids)
+        if self.parents is None or self.ranks is None:
+            raise ValueError(f"the best {nodes} of {len(self.tokens)} nodes need a tree proposal with ranks")
+        return set(sorted(ids, key=lambda i: self.ranks[i - 1])[:nodes])
 
     def _keep(self, keep: list[int]) -> Proposal:
         """The tree of the nodes ``keep`` (1-based, ascending, ancestor-closed), parents re-indexed."""
