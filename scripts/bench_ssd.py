@@ -27,6 +27,7 @@ served at the same (C, F) with a uniform fan-out (``ssd_eagle3_sag_plain`` / ``s
     python scripts/bench_ssd.py --configs ar,sd_lm,ssd_lm_geo,ssd_lm_geo_fast,ssd_lm_geo_auto --temperatures 0
     python scripts/bench_ssd.py --configs ar,ssd_eagle3,ssd_eagle3_fast,ssd_eagle3_auto --temperatures 0 --prompts 1
     python scripts/bench_ssd.py --configs ssd_eagle3_sag_plain,ssd_eagle3_sag_aware --temperatures 0.5,1.0
+    python scripts/bench_ssd.py --configs ar,sd_eagle3,sd_eagle3_unscaled,sd_lm,sd_lm_unscaled --temperatures 0.5,1.0
     python scripts/bench_ssd.py --configs ar,sd_ngram_plan,sd_eagle3_plan,sd_lm_plan --prompts 1 --max-tokens 64 \
         --repeats 3
 """
@@ -116,6 +117,7 @@ def configs(args) -> dict[str, Config]:
     tree = {"tree_budget": args.tree_budget, "tree_depth": K,
             **({"tree_topk": args.tree_topk} if args.tree_topk else {})}
     uniform = {"fanout_strategy": "uniform", "fanout_budget": B}
+    unscaled = {"draft_temperature_scale": 1.0}
     geometric = {"fanout_strategy": "geometric", "fanout_budget": B, "fanout_acceptance": args.acceptance,
                  "fanout_power": args.power}
     out = [
@@ -152,6 +154,14 @@ def configs(args) -> dict[str, Config]:
         Config("sd_eagle3_tree_draws_plan", "sd", {"method": "eagle3", "model": head, **tree}, plan=True,
                draws=True),
         Config("ssd_eagle3_tree_plan", "ssd", {**e3, "tree_budget": "auto", "fanout_budget": B}, plan=True),
+        # the drafts' own temperature scale s off (1: q at the row's temperature; ablation of train.calibrate's s)
+        Config("sd_eagle3_unscaled", "sd", {**e3, **unscaled}),
+        Config("sd_eagle3_plan_unscaled", "sd", {"method": "eagle3", "model": head, **unscaled}, plan=True),
+        Config("sd_eagle3_tree_plan_unscaled", "sd", {"method": "eagle3", "model": head, **tree, **unscaled},
+               plan=True),
+        Config("ssd_eagle3_auto_unscaled", "ssd", {**e3, **geometric, "backup": "auto", **unscaled}),
+        Config("sd_lm_unscaled", "sd", {**lm_spec, **unscaled}),
+        Config("ssd_lm_geo_auto_unscaled", "ssd", {**lm_spec, **geometric, "backup": "auto", **unscaled}),
         Config("hf_assisted", "hf", hf="assisted"),
         Config("hf_lookup", "hf", hf="lookup"),
         # the shape-invariant experiment: judged bitwise against ar_fixed

@@ -2,6 +2,11 @@
 
 Chain drafting with K tokens per round at T = 0 (greedy: tau depends only on the draft and the text), on the
 held-out MT-Bench questions (first turn) and held-out HumanEval problems, rendered with the chat template.
+``--temperature T`` samples instead (``--seeds N`` samples per prompt, the same seeds for every draft), and
+``--draft-temperature-scale 1,0.7`` serves each draft with each temperature scale s (``train.calibrate``):
+
+    python scripts/eval_draft.py --draft eagle3=drafts/smollm2-135m-eagle3 --temperature 1 --seeds 2 \
+        --draft-temperature-scale 1,0.7 --max-tokens 64 --no-ngram
 
     python scripts/eval_draft.py --draft eagle3=drafts/smollm2-135m-eagle3 --draft draft_model=drafts/smollm2-135m-draftlm
     python scripts/eval_draft.py --curve runs/smollm2-135m-eagle3 --no-eval   # only the learning-curve PNG
@@ -54,12 +59,17 @@ from train.tracking import plot_learning_curve
 
 
 def evaluate(model, tokenizer, spec: SpeculativeConfig, prompts: list[list[int]], max_tokens: int,
-             batch: int) -> dict:
+             batch: int, temperature: float = 0.0, seeds: int = 1) -> dict:
+    """Serve ``prompts`` with ``spec``'s drafter (chain, K fixed, no planner); at ``temperature`` > 0 every prompt
+    ``seeds`` times, request i's sampler seeded with i (the same seeds for every draft)."""
     drafter = build_drafter(spec, model, batch, 4096 + 64)
     engine = LLMEngine(model, tokenizer, drafter, num_speculative_tokens=spec.num_speculative_tokens,
                        max_num_seqs=batch, max_model_len=4096, max_draft_tokens=spec.max_draft_tokens)
     start = time.perf_counter()
-    LLM(engine=engine).generate(prompts, SamplingParams(temperature=0.0, max_tokens=max_tokens), use_tqdm=True)
+    copies = seeds if temperature > 0 else 1
+    params = [SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=i)
+              for i in range(copies * len(prompts))]
+    LLM(engine=engine).generate(prompts * copies, params, use_tqdm=True)
     s = engine.stats
     k = spec.num_speculative_tokens
     return {"tau": round(s.tau, 3), "acceptance_rate": round(s.acceptance_rate, 3), "rounds": s.num_rounds,
@@ -154,6 +164,12 @@ def main() -> None:
     ap.add_argument("--teacher-forced", default=None, metavar="HELDOUT_JSONL",
                     help="also teacher-forced tau and step accuracy on this held-out file (python -m train.heldout "
                          "generate)")
+    ap.add_argument("--temperature", type=float, default=0.0,
+                    help="sampling temperature (> 0: seeded per request, the same seeds for every draft)")
+    ap.add_argument("--seeds", type=int, default=1, help="at --temperature > 0: samples per prompt")
+    ap.add_argument("--draft-temperature-scale", default=None, metavar="S[,S...]",
+                    help="serve each draft with these temperature scales s (speculative_config."
+                         "draft_temperature_scale; default: the s each draft's config.json records)")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--limit", type=int, default=None, help="prompts per split (default: all held-out)")
     ap.add_argument("--batch", type=int, default=8)
@@ -181,9 +197,13 @@ def main() -> None:
     model, tokenizer = load_model(args.model, dtype=dtype)
     ks = [int(k) for k in str(args.k).split(",")]
     specs = {} if args.no_ngram else {"ngram": SpeculativeConfig(method="ngram", num_speculative_tokens=ks[0])}
+    scales = [None] if args.draft_temperature_scale is None else \
+        [float(x) for x in args.draft_temperature_scale.split(",")]
     for item in args.draft:
         method, path = item.split("=", 1)
-        specs[f"{method}:{path}"] = SpeculativeConfig(method=method, model=path, num_speculative_tokens=ks[0])
+        for scale in scales:
+            specs[f"{method}:{path}" + ("" if scale is None else f"@s={scale:g}")] = SpeculativeConfig(
+                method=method, model=path, num_speculative_tokens=ks[0], draft_temperature_scale=scale)
     splits = {split: [render_chat(tokenizer, p["messages"]) for p in heldout_prompts(split)[: args.limit]]
               for split in ("mtbench", "humaneval")}
     if args.node_table:
@@ -212,7 +232,8 @@ def main() -> None:
         for split, prompts in splits.items():
             for k in ks:
                 kspec = SpeculativeConfig(**{**spec.to_dict(), "num_speculative_tokens": k})
-                table[(name, split, k)] = evaluate(model, tokenizer, kspec, prompts, args.max_tokens, args.batch)
+                table[(name, split, k)] = evaluate(model, tokenizer, kspec, prompts, args.max_tokens, args.batch,
+                                                   args.temperature, args.seeds)
                 print(name, split, k, table[(name, split, k)], flush=True)
             if args.hit_curve and spec.method != "ngram":
                 ssd = SpeculativeConfig(**{**spec.to_dict(), "speculator": "local", "fanout_strategy": "geometric",
@@ -227,7 +248,9 @@ def main() -> None:
             extra[f"{name}|teacher_forced"] = {k: tf[k] for k in ("tau", "feature_fed_tau", "step_accuracy",
                                                                         "samples")}
             print(name, "teacher-forced", extra[f"{name}|teacher_forced"], flush=True)
-    print(f"\n{describe_line('cpu', dtype)}\nK={args.k} T=0 max_tokens={args.max_tokens} prompts: "
+    sampled = f" seeds={args.seeds}" if args.temperature > 0 else ""
+    print(f"\n{describe_line('cpu', dtype)}\nK={args.k} T={args.temperature:g}{sampled} max_tokens={args.max_tokens} "
+          "prompts: "
           + ", ".join(f"{s}={len(p)}" for s, p in splits.items()))
     print(f"{'draft':50s} {'split':10s} {'K':>2s} {'tau':>6s} {'accept':>7s}  acceptance per position")
     for (name, split, k), row in table.items():

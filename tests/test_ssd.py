@@ -81,7 +81,8 @@ V, T_OUT, N_REQ = LAW_VOCAB, LAW_TOKENS, 4000
     dict(backup="neural"),  # (auto would pick fast: a propose call has >= fast_backup_batch rows here)
     dict(backup="neural", saguaro_c=0.3, fanout=[1]),
     dict(backup="fast", fanout_strategy="geometric", fanout_budget=4, fanout_acceptance=0.5),
-], ids=["neural_backup_uniform", "saguaro", "fast_backup_geometric"])
+    dict(backup="neural", draft_temperature_scale=0.5),  # drafts (backup and cached branches) from a sharpened q
+], ids=["neural_backup_uniform", "saguaro", "fast_backup_geometric", "draft_temperature_scale"])
 def test_output_law_equals_the_targets(variant, byte_tokenizer):
     target = make_tiny_llama(vocab_size=V, seed=6, init_std=0.15)
     draft = noisy_copy(target, 0.5, seed=9)
@@ -165,9 +166,9 @@ def test_a_backup_scales_with_the_miss_fanout_it_is_cached_with(byte_tokenizer, 
     seen = []
     original = chain_module.sample_draft_tokens
 
-    def recording(logits, seqs, position, saguaro=None, vocab=None):
+    def recording(logits, seqs, position, saguaro=None, vocab=None, temperature_scale=1.0):
         seen.append((logits.shape[0], saguaro.fanout if saguaro is not None else None))
-        return original(logits, seqs, position, saguaro, vocab)
+        return original(logits, seqs, position, saguaro, vocab, temperature_scale)
 
     monkeypatch.setattr(chain_module, "sample_draft_tokens", recording)
     target = make_tiny_llama(seed=3)

@@ -49,8 +49,12 @@ def build_drafter(spec, target_model, num_slots: int, max_len: int, draft=None) 
 
         draft = load_draft(spec, target_model)
     if spec.method == "draft_model":
-        return DraftModelDrafter(draft, target_model.config.get_text_config().vocab_size, num_slots, max_len,
-                                 saguaro, spec.tree_settings())
-    from ssd_eagle.drafters.eagle3 import Eagle3Drafter
+        drafter = DraftModelDrafter(draft, target_model.config.get_text_config().vocab_size, num_slots, max_len,
+                                    saguaro, spec.tree_settings())
+    else:
+        from ssd_eagle.drafters.eagle3 import Eagle3Drafter
 
-    return Eagle3Drafter(draft, num_slots, max_len, saguaro, spec.tree_settings())
+        drafter = Eagle3Drafter(draft, num_slots, max_len, saguaro, spec.tree_settings())
+    if spec.draft_temperature_scale is not None:
+        drafter.backend.temperature_scale = spec.draft_temperature_scale
+    return drafter

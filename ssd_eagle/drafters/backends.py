@@ -57,7 +57,7 @@ from torch import nn
 from ssd_eagle.cuda_graphs import StaticForward, shape_sets
 from ssd_eagle.kv_cache import ForwardBatch, KVCache
 from ssd_eagle.model_runner import ModelRunner
-from ssd_eagle.models.draft_lm import draft_vocab_ids
+from ssd_eagle.models.draft_lm import draft_temperature_scale, draft_vocab_ids
 from ssd_eagle.packed_linear import pack_linears, packs_on
 from ssd_eagle.sampling import upcast_logits
 
@@ -77,6 +77,9 @@ class DraftBackend(ABC):
         aux_layer_ids: the target layers whose aux states the draft needs (None without features).
         dtype, device, kv: the draft's dtype, device and cache (its last slot is the scratch slot).
         forwards: calls of :meth:`forward` so far (``extend`` and ``step`` run through it; prefill does not).
+        temperature_scale: the draft's temperature scale s (sampled rows draw from ``softmax(z / (T s))``,
+            :mod:`ssd_eagle.drafters.chain`): the one its ``config.json`` records, 1.0 without one; a
+            ``speculative_config.draft_temperature_scale`` replaces it.
         static: the fixed-shape runner of :meth:`use_fixed_shapes`, or None (dynamic shapes).
     """
 
@@ -90,6 +93,7 @@ class DraftBackend(ABC):
     forwards = 0
     static: StaticForward | None = None
     vocab: torch.Tensor | None = None
+    temperature_scale: float = 1.0
 
     @property
     @abstractmethod
@@ -239,6 +243,7 @@ class DraftLMBackend(DraftBackend):
             if self.runner.packed_weights:
                 pack_linears(rows)
         self.set_vocab(ids, self.vocab_size)
+        self.temperature_scale = draft_temperature_scale(getattr(model.config, "ssd_eagle", None))
         self.use_fixed_shapes(fixed_shapes)
 
     @property
@@ -280,6 +285,7 @@ class Eagle3Backend(DraftBackend):
         self.aux_layer_ids = tuple(cfg.aux_layer_ids)
         self.vocab_size = cfg.vocab_size
         self.set_vocab(head.draft_target_ids, cfg.vocab_size)
+        self.temperature_scale = cfg.draft_temperature_scale or 1.0
         if packs_on(self.device):
             pack_linears(head)
         self.use_fixed_shapes(fixed_shapes)

@@ -63,7 +63,7 @@ def draft_from_committed(backend: DraftBackend, seqs: list, num_cached: list[int
     if tree is not None:
         return grow_after_committed(b, slots, lengths, logits, hidden, tree, budgets)
     return draft_chain(b.chain_feed(slots, [n - b.offset for n in lengths]), logits, hidden, seqs, budgets, saguaro,
-                       b.vocab)
+                       b.vocab, b.temperature_scale)
 
 
 def last_rows(pieces: list[torch.Tensor], n: int) -> torch.Tensor:

@@ -28,6 +28,9 @@ HEAD_NAME = "lm_head.weight"
 DIGEST_KEY = "embed_sha256_bf16"  # the identity a compact export records (``ssd_eagle.shared_from_target``)
 LEGACY_DIGEST_KEY = "embed_sha256"  # older exports: SHA-256 of the float32 bytes (only a float32/float64 target)
 DRAFT_VOCAB_KEY = "draft_vocab"  # ``ssd_eagle.draft_vocab`` in config.json: the output rows the engines draft over
+# ``ssd_eagle.draft_temperature_scale`` in config.json (draft LMs and EAGLE-3 heads): the s of a sampled row's
+# q = softmax(z / (T s)) (:mod:`ssd_eagle.drafters.chain`), written by ``python -m train.calibrate``
+TEMPERATURE_SCALE_KEY = "draft_temperature_scale"
 
 
 def embedding_digest(weight: torch.Tensor) -> str:
@@ -67,6 +70,20 @@ def draft_vocab_ids(config) -> torch.Tensor | None:
             or ids[-1] >= config.vocab_size:
         raise ValueError(f"ssd_eagle.{DRAFT_VOCAB_KEY} must be ascending target ids in [0, {config.vocab_size})")
     return ids
+
+
+def draft_temperature_scale(record: dict | None) -> float:
+    """The draft's temperature scale s recorded in a ``config.json``'s ``ssd_eagle`` block (1.0 when absent).
+
+    Raises:
+        ValueError: a recorded s that is not a finite number > 0.
+    """
+    value = (record or {}).get(TEMPERATURE_SCALE_KEY)
+    if value is None:
+        return 1.0
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 < value < float("inf"):
+        raise ValueError(f"ssd_eagle.{TEMPERATURE_SCALE_KEY} must be a number > 0, got {value!r}")
+    return float(value)
 
 
 def check_target_embeddings(path: Path, shared: dict, target) -> None:
@@ -145,8 +162,9 @@ def load_draft_lm(path: str | os.PathLike, target=None, dtype: torch.dtype = tor
     for key in ("architectures", "model_type", "transformers_version", "torch_dtype", "dtype"):
         doc.pop(key, None)
     config = LlamaConfig(**doc)
-    if DRAFT_VOCAB_KEY in record:
-        config.ssd_eagle = {DRAFT_VOCAB_KEY: record[DRAFT_VOCAB_KEY]}
+    kept = {key: record[key] for key in (DRAFT_VOCAB_KEY, TEMPERATURE_SCALE_KEY) if key in record}
+    if kept:
+        config.ssd_eagle = kept
     return assemble_draft_lm(config, load_file(str(path / COMPACT_WEIGHTS)), target, dtype)
 
 

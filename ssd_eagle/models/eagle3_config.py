@@ -115,6 +115,8 @@ class Eagle3Config:
         attention_bias, mlp_bias: Llama options (False for every public EAGLE-3 head).
         torch_dtype: dtype name of the weights ("float32", "bfloat16", ...).
         saguaro_c, saguaro_fanout: the Saguaro (C, F) the head was trained for, when it was (issue 7).
+        draft_temperature_scale: s > 0, sampled rows draw from ``softmax(z / (T s))`` (calibrated by ``python -m
+            train.calibrate``; :mod:`ssd_eagle.drafters.chain`); None: 1.
         extra: free-form metadata saved with the checkpoint.
     """
 
@@ -136,6 +138,7 @@ class Eagle3Config:
     torch_dtype: str = "float32"
     saguaro_c: float | None = None
     saguaro_fanout: int | None = None
+    draft_temperature_scale: float | None = None
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self):

@@ -34,6 +34,7 @@ from transformers import LlamaConfig
 
 from ssd_eagle.io import atomic_write
 from ssd_eagle.model_runner import default_aux_layer_ids
+from ssd_eagle.models.draft_lm import TEMPERATURE_SCALE_KEY, draft_temperature_scale
 from ssd_eagle.models.eagle3 import Eagle3DraftModel, check_vocab_mapping
 from ssd_eagle.models.eagle3_config import LLAMA_FIELDS, Eagle3Config, normalize_rope_parameters, text_config
 
@@ -110,8 +111,11 @@ def _llama_fields(config: Eagle3Config, dtype_name: str) -> dict:
 
 
 def _ssd_block(config: Eagle3Config) -> dict:
-    return {"format_version": FORMAT_VERSION, "saguaro_c": config.saguaro_c,
-            "saguaro_fanout": config.saguaro_fanout, "extra": config.extra}
+    block = {"format_version": FORMAT_VERSION, "saguaro_c": config.saguaro_c,
+             "saguaro_fanout": config.saguaro_fanout, "extra": config.extra}
+    if config.draft_temperature_scale is not None:
+        block[TEMPERATURE_SCALE_KEY] = config.draft_temperature_scale
+    return block
 
 
 def eagle3_config_dict(config: Eagle3Config, dtype_name: str | None = None) -> dict:
@@ -339,6 +343,7 @@ def eagle3_config_from_dict(cfg: dict, target_config=None, dtype_name: str | Non
         torch_dtype=dtype_name,
         saguaro_c=ssd.get("saguaro_c"),
         saguaro_fanout=ssd.get("saguaro_fanout"),
+        draft_temperature_scale=draft_temperature_scale(ssd) if TEMPERATURE_SCALE_KEY in ssd else None,
         extra=dict(ssd.get("extra") or {}),
     )
 

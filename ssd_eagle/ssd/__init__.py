@@ -29,4 +29,4 @@ def speculator_settings(config, target_config, dtype: torch.dtype, max_model_len
         device=config.draft_device, threads=config.draft_threads, float_dtype=dtype,
         vocab_size=target_config.get_text_config().vocab_size, tree_budget=spec.tree_budget,
         tree_depth=spec.tree_depth, tree_topk=spec.tree_topk, fanout_power=spec.fanout_power,
-        cuda_graphs=not config.eager)
+        cuda_graphs=not config.eager, temperature_scale=spec.draft_temperature_scale)

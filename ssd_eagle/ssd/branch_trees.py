@@ -276,7 +276,8 @@ def draft_branch_chains(backend, seqs: list, branches: list[list[dict]], depth: 
 
     logits, hidden = feed(None, tokens, feats, -1)
     rows = [seq if i < len(row) else None for seq, row in zip(seqs, branches) for i in range(F)]  # None: pad
-    chains = draft_chain(feed, logits, hidden, rows, [depth] * (B * F), saguaro, backend.vocab)
+    chains = draft_chain(feed, logits, hidden, rows, [depth] * (B * F), saguaro, backend.vocab,
+                         backend.temperature_scale)
     return [chains[r * F: r * F + len(row)] for r, row in enumerate(branches)]
 
 

@@ -59,6 +59,7 @@ class SpeculatorSettings:
     tree_topk: int = 4
     fanout_power: float | str = 1.0  # r, or "auto" (fitted online)
     cuda_graphs: bool = True  # fixed-shape draft steps (CUDA graphs on CUDA); False: --eager
+    temperature_scale: float | None = None  # the draft's temperature scale s (None: what its config records)
 
 
 HEARTBEAT_INTERVAL = 0.5  # seconds between two heartbeats of the speculator process
@@ -84,6 +85,8 @@ def build_speculator(settings: SpeculatorSettings, draft, backend=None):
     if backend is None:
         kind = Eagle3Backend if settings.kind == "eagle3" else DraftLMBackend
         backend = kind(draft, settings.num_slots, settings.max_len, settings.cuda_graphs)
+    if settings.temperature_scale is not None:
+        backend.temperature_scale = settings.temperature_scale
     from ssd_eagle.drafters.tree import TreeSettings
 
     saguaro = SaguaroSampling(settings.saguaro_c, tuple(settings.fanout)) if settings.saguaro_c < 1.0 else None
