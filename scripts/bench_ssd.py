@@ -154,14 +154,13 @@ def configs(args) -> dict[str, Config]:
         Config("sd_eagle3_tree_draws_plan", "sd", {"method": "eagle3", "model": head, **tree}, plan=True,
                draws=True),
         Config("ssd_eagle3_tree_plan", "ssd", {**e3, "tree_budget": "auto", "fanout_budget": B}, plan=True),
-        # the drafts' own temperature scale s off (1: q at the row's temperature; ablation of train.calibrate's s)
+        # SD with the drafts' own temperature scale s off (1: q at the row's temperature; ablation of
+        # train.calibrate's s; SSD drafts at s = 1 unless told otherwise)
         Config("sd_eagle3_unscaled", "sd", {**e3, **unscaled}),
         Config("sd_eagle3_plan_unscaled", "sd", {"method": "eagle3", "model": head, **unscaled}, plan=True),
         Config("sd_eagle3_tree_plan_unscaled", "sd", {"method": "eagle3", "model": head, **tree, **unscaled},
                plan=True),
-        Config("ssd_eagle3_auto_unscaled", "ssd", {**e3, **geometric, "backup": "auto", **unscaled}),
         Config("sd_lm_unscaled", "sd", {**lm_spec, **unscaled}),
-        Config("ssd_lm_geo_auto_unscaled", "ssd", {**lm_spec, **geometric, "backup": "auto", **unscaled}),
         Config("hf_assisted", "hf", hf="assisted"),
         Config("hf_lookup", "hf", hf="lookup"),
         # the shape-invariant experiment: judged bitwise against ar_fixed

@@ -72,8 +72,9 @@ class SpeculativeConfig(ConfigModel):
                              "drafter's top-(F_k + 1) probabilities (1 = off)")
     draft_temperature_scale: float | None = Field(
         None, gt=0.0, allow_inf_nan=False, description="s > 0: sampled rows draw their drafts from softmax(z / (T s)) "
-        "(lossless: the verifier tests with that q); None: the s the draft's config.json records (python -m "
-        "train.calibrate: the s that maximises the draft's acceptance chance), else 1")
+        "(lossless: the verifier tests with that q); None: in SD the s the draft's config.json records (python -m "
+        "train.calibrate: the s that maximises the draft's acceptance chance), else 1; in SSD 1 (a sharper q "
+        "lowers the chance that a rejected position's bonus is among the cached candidates)")
     fanout: Fanout = Field(default_factory=lambda: [3], description="F_0..F_K for the speculation cache (SSD) and "
                            "Saguaro scaling; a single value means uniform, a list shorter than K + 1 repeats its "
                            "last entry. Ignored when fanout_strategy computes it")

@@ -73,7 +73,7 @@ def test_a_recorded_scale_must_be_a_positive_number():
         SpeculativeConfig(method="ngram", draft_temperature_scale=0.0)
 
 
-def test_an_exported_heads_scale_reaches_the_engine_and_the_config_overrides_it(tmp_path, byte_tokenizer):
+def test_an_exported_heads_scale_reaches_sd_and_the_config_overrides_it_in_sd_and_ssd(tmp_path, byte_tokenizer):
     from ssd_eagle.models.eagle3_formats import load_eagle3, save_eagle3
 
     target = make_tiny_llama(seed=5)
@@ -90,11 +90,12 @@ def test_an_exported_heads_scale_reaches_the_engine_and_the_config_overrides_it(
         engine = build(EngineConfig(model="in-memory", mode="sd", max_num_seqs=1, max_model_len=256,
                                     speculative_config=spec), target, tokenizer=byte_tokenizer)
         assert engine.drafter.backend.temperature_scale == expected
-    ssd = SpeculativeConfig(method="eagle3", model=str(tmp_path / "plain"), draft_temperature_scale=0.9,
-                            speculator="local")
-    engine = build(EngineConfig(model="in-memory", mode="ssd", max_num_seqs=1, max_model_len=256,
-                                speculative_config=ssd), target, tokenizer=byte_tokenizer)
-    assert engine.drafter.speculator.speculator.backend.temperature_scale == 0.9
+    for override, expected in ((None, 1.0), (0.9, 0.9)):  # SSD: 1 unless told (ssd_eagle.ssd.worker says why)
+        ssd = SpeculativeConfig(method="eagle3", model=str(tmp_path / "plain"), draft_temperature_scale=override,
+                                speculator="local")
+        engine = build(EngineConfig(model="in-memory", mode="ssd", max_num_seqs=1, max_model_len=256,
+                                    speculative_config=ssd), target, tokenizer=byte_tokenizer)
+        assert engine.drafter.speculator.speculator.backend.temperature_scale == expected
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -11,8 +11,9 @@ teacher-forced (the target's features, as in training): an EAGLE-3 head over its
 fed its own outputs, as when it drafts), a draft LM over its next-token predictions; p and q at each serving
 temperature T of the grid, over the draft's vocabulary (target mass outside it is never drafted). The chosen s
 maximises the mean alpha over the temperatures and steps, and ``--write`` records it in the draft's
-``config.json`` (``ssd_eagle.draft_temperature_scale``), where the engine reads it
-(:mod:`ssd_eagle.drafters.chain`).
+``config.json`` (``ssd_eagle.draft_temperature_scale``), where SD reads it (:mod:`ssd_eagle.drafters.chain`;
+the SSD speculator drafts at s = 1 unless told otherwise: its rounds also need a rejected position's bonus among
+the cached candidates, which a sharper q makes rarer).
 
     python -m train.calibrate --draft drafts/smollm2-135m-eagle3 --data data/smollm2-135m/regenerated.jsonl.gz --write
 

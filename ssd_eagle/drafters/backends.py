@@ -79,7 +79,8 @@ class DraftBackend(ABC):
         forwards: calls of :meth:`forward` so far (``extend`` and ``step`` run through it; prefill does not).
         temperature_scale: the draft's temperature scale s (sampled rows draw from ``softmax(z / (T s))``,
             :mod:`ssd_eagle.drafters.chain`): the one its ``config.json`` records, 1.0 without one; a
-            ``speculative_config.draft_temperature_scale`` replaces it.
+            ``speculative_config.draft_temperature_scale`` replaces it (the SSD speculator sets 1.0 unless one is
+            given: :func:`ssd_eagle.ssd.worker.build_speculator`).
         static: the fixed-shape runner of :meth:`use_fixed_shapes`, or None (dynamic shapes).
     """
 

@@ -12,7 +12,8 @@ the target's (the verifier tests with the q that travels), and the q that maximi
 unsure (a weak draft's q is flatter than p where it does not know the token). The committed SmolLM2-135M EAGLE-3
 head on 64 training conversations (``train.calibrate``, bf16, teacher-forced): the first draft's acceptance chance
 at T = 1 is 0.524 with s = 1 and 0.570 with s = 0.7, its second and third drafts' +9% and +11% (T = 0.5: 0.583 ->
-0.586). Greedy rows and tree children (top-k, no q) do not depend on s.
+0.586). Greedy rows and tree children (top-k, no q) do not depend on s. The SSD speculator drafts at s = 1 unless
+told otherwise (:func:`ssd_eagle.ssd.worker.build_speculator` says why).
 """
 
 from __future__ import annotations

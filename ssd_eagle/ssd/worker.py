@@ -59,7 +59,7 @@ class SpeculatorSettings:
     tree_topk: int = 4
     fanout_power: float | str = 1.0  # r, or "auto" (fitted online)
     cuda_graphs: bool = True  # fixed-shape draft steps (CUDA graphs on CUDA); False: --eager
-    temperature_scale: float | None = None  # the draft's temperature scale s (None: what its config records)
+    temperature_scale: float | None = None  # the draft's temperature scale s (None: 1, see build_speculator)
 
 
 HEARTBEAT_INTERVAL = 0.5  # seconds between two heartbeats of the speculator process
@@ -85,8 +85,11 @@ def build_speculator(settings: SpeculatorSettings, draft, backend=None):
     if backend is None:
         kind = Eagle3Backend if settings.kind == "eagle3" else DraftLMBackend
         backend = kind(draft, settings.num_slots, settings.max_len, settings.cuda_graphs)
-    if settings.temperature_scale is not None:
-        backend.temperature_scale = settings.temperature_scale
+    # SSD drafts at s = 1 unless told otherwise: the s a draft records maximises SD's acceptance, but a sharper q
+    # leaves a rejected position's bonus (drawn from the residual max(p - q, 0)) less often among the cached top-F
+    # candidates, and the round's chance not to stall falls (SmolLM2 head, T = 1, F = 3: 0.737 at s = 1, 0.715 at
+    # s = 0.7; ssd_eagle.ssd.fanout.nonstall_probability on 24 training conversations)
+    backend.temperature_scale = 1.0 if settings.temperature_scale is None else settings.temperature_scale
     from ssd_eagle.drafters.tree import TreeSettings
 
     saguaro = SaguaroSampling(settings.saguaro_c, tuple(settings.fanout)) if settings.saguaro_c < 1.0 else None
