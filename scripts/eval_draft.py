@@ -186,6 +186,10 @@ def main() -> None:
     ap.add_argument("--tree-topk", type=int, default=None, help="expansions per level (default: auto's, else 4)")
     ap.add_argument("--fanout-budget", type=int, default=24)
     args = ap.parse_args()
+    if args.seeds < 1:
+        ap.error("--seeds must be >= 1")
+    if args.draft_temperature_scale is not None and args.temperature <= 0:
+        ap.error("--draft-temperature-scale only changes sampled drafts: give --temperature > 0")
 
     for run_dir in args.curve:
         print("learning curve:", plot_learning_curve(run_dir, Path(run_dir) / "learning_curve.png"), flush=True)

@@ -71,7 +71,7 @@ class SpeculativeConfig(ConfigModel):
     saguaro_c: float = Field(1.0, gt=0.0, le=1.0, description="Saguaro scale C in (0, 1] applied to the "
                              "drafter's top-(F_k + 1) probabilities (1 = off)")
     draft_temperature_scale: float | None = Field(
-        None, gt=0.0, allow_inf_nan=False, description="s > 0: sampled rows draw their drafts from softmax(z / (T s)) "
+        None, ge=0.01, allow_inf_nan=False, description="s >= 0.01: sampled rows draw their drafts from softmax(z / (T s)) "
         "(lossless: the verifier tests with that q); None: in SD the s the draft's config.json records (python -m "
         "train.calibrate: the s that maximises the draft's acceptance chance), else 1; in SSD 1 (a sharper q "
         "lowers the chance that a rejected position's bonus is among the cached candidates)")

@@ -71,6 +71,12 @@ def test_a_recorded_scale_must_be_a_positive_number():
             draft_temperature_scale({"draft_temperature_scale": bad})
     with pytest.raises(ValueError, match="draft_temperature_scale"):
         SpeculativeConfig(method="ngram", draft_temperature_scale=0.0)
+    with pytest.raises(ValueError, match="draft_temperature_scale"):  # (1e-40: softmax(z / (T s)) overflows)
+        SpeculativeConfig(method="ngram", draft_temperature_scale=1e-40)
+    cfg = Eagle3Config.from_target(make_tiny_llama(seed=5).config, draft_vocab_size=64)
+    for bad in (0.0, -0.5, float("nan")):  # (a head built in code: 0 was read as 1, -0.5 drafted the least likely)
+        with pytest.raises(ValueError, match="draft_temperature_scale"):
+            Eagle3Config(**{**cfg.__dict__, "draft_temperature_scale": bad})
 
 
 def test_an_exported_heads_scale_reaches_sd_and_the_config_overrides_it_in_sd_and_ssd(tmp_path, byte_tokenizer):
@@ -83,6 +89,13 @@ def test_an_exported_heads_scale_reaches_sd_and_the_config_overrides_it_in_sd_an
     record(tmp_path / "plain", 0.65)
     head = load_eagle3(tmp_path / "plain")
     assert head.config.draft_temperature_scale == 0.65
+    config = json.loads((tmp_path / "plain" / "config.json").read_text())
+    config["ssd_eagle"]["draft_temperature_scale"] = None
+    (tmp_path / "again").mkdir()
+    for name in ("config.json", "model.safetensors"):
+        (tmp_path / "again" / name).write_bytes((tmp_path / "plain" / name).read_bytes())
+    (tmp_path / "again" / "config.json").write_text(json.dumps(config))
+    assert load_eagle3(tmp_path / "again").config.draft_temperature_scale is None  # (null: none recorded)
     save_eagle3(head, tmp_path / "again")  # (a re-export keeps it)
     assert json.loads((tmp_path / "again" / "config.json").read_text())["ssd_eagle"]["draft_temperature_scale"] == 0.65
     for override, expected in ((None, 0.65), (0.9, 0.9)):
@@ -120,6 +133,21 @@ def test_sd_output_law_equals_the_targets_with_a_sharpened_draft(byte_tokenizer)
 # ----------------------------------------------------------------------------------------------------------------
 # calibration end to end
 
+def test_eagle3_heads_are_told_from_draft_lms_in_every_layout_the_engine_loads(tmp_path):
+    from ssd_eagle.models.eagle3_formats import is_eagle3_head, save_eagle3
+
+    target = make_tiny_llama(seed=5)
+    save_eagle3(Eagle3DraftModel(Eagle3Config.from_target(target.config, draft_vocab_size=64)), tmp_path / "head")
+    assert is_eagle3_head(tmp_path / "head")
+    config = json.loads((tmp_path / "head" / "config.json").read_text())
+    config["architectures"] = ["LlamaForCausalLM"]  # (the reference layout: was calibrated as a draft LM)
+    (tmp_path / "head" / "config.json").write_text(json.dumps(config))
+    assert is_eagle3_head(tmp_path / "head")
+    target.save_pretrained(tmp_path / "lm")
+    assert not is_eagle3_head(tmp_path / "lm") and not is_eagle3_head(tmp_path / "nothing")
+
+
+
 def test_calibration_scores_a_grid_on_training_text_and_records_its_best(tmp_path, capsys):
     from transformers import AutoConfig
 
@@ -138,6 +166,8 @@ def test_calibration_scores_a_grid_on_training_text_and_records_its_best(tmp_pat
           "--write"])
     assert "best s" in capsys.readouterr().out
     assert load_eagle3(tmp_path / "head").config.draft_temperature_scale == result.best
+    with pytest.raises(ValueError, match="steps"):
+        calibrate(tmp_path / "head", setup["data"], steps=0, target=setup["target"])
 
 
 def test_a_draft_lms_recorded_scale_reaches_its_backend():

@@ -17,8 +17,8 @@ the cached candidates, which a sharper q makes rarer).
 
     python -m train.calibrate --draft drafts/smollm2-135m-eagle3 --data data/smollm2-135m/regenerated.jsonl.gz --write
 
-Held-out prompts are refused (:func:`train.data.build_dataset`'s guard), so the calibration never sees the text the
-drafts are evaluated on.
+The sampled conversations go through :func:`train.data.build_dataset`'s held-out guard, so the calibration never
+sees the text the drafts are evaluated on.
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ from tqdm.auto import tqdm
 
 from ssd_eagle.io import atomic_write
 from ssd_eagle.models.draft_lm import TEMPERATURE_SCALE_KEY
+from ssd_eagle.models.eagle3_formats import has_checkpoint, is_eagle3_head, load_eagle3
 from ssd_eagle.platform import DTYPES, resolve_dtype
 
 DEFAULT_TEMPERATURES = (0.5, 0.75, 1.0)
@@ -112,29 +113,32 @@ def calibrate(draft_dir: str | Path, data: str | Path, *, conversations: int = 6
     sample), target and draft in ``dtype`` (the serving dtype under ``auto``). See the module docstring.
 
     Raises:
-        ValueError: ``draft_dir`` is neither an EAGLE-3 export nor a draft LM, or the data holds held-out prompts.
+        ValueError: ``steps`` < 1, no sampled conversation with an assistant token, or a malformed draft.
+        HeldoutLeakError: a sampled conversation holds a held-out prompt.
     """
     from ssd_eagle.assets import DEFAULT_MODEL, load_model
-    from ssd_eagle.models.draft_lm import draft_vocab_ids, load_draft_lm
+    from ssd_eagle.models.draft_lm import draft_vocab_ids, is_compact_draft_lm, load_draft_lm
     from train.data import build_dataset, load_conversations
     from train.features import TargetFeatureExtractor
     from train.ttt import chain_masks, ttt_unroll
 
+    if steps < 1:
+        raise ValueError(f"steps must be >= 1, got {steps}")
     draft_dir = Path(draft_dir)
     config = json.loads((draft_dir / "config.json").read_text())
-    is_eagle = "LlamaForCausalLMEagle3" in (config.get("architectures") or [])
+    is_eagle = is_eagle3_head(draft_dir)
     recorded = ((config.get("ssd_eagle") or {}).get("shared_from_target") or {}).get("target")
     torch_dtype = resolve_dtype(dtype, "cpu")
     target_model, tokenizer = load_model(target or recorded or DEFAULT_MODEL, dtype=torch_dtype)
     if is_eagle:
-        from ssd_eagle.models.eagle3_formats import load_eagle3
-
         head = load_eagle3(draft_dir, target_config=target_model.config, dtype=torch_dtype)
         head.set_embeddings(target_model.get_input_embeddings())
         aux_ids, draft_ids = head.config.aux_layer_ids, head.draft_target_ids
-    else:
+    elif is_compact_draft_lm(draft_dir) or has_checkpoint(draft_dir):
         draft = load_draft_lm(draft_dir, target_model, dtype=torch_dtype)
         aux_ids, draft_ids, steps = None, draft_vocab_ids(draft.config), 1
+    else:
+        raise ValueError(f"{draft_dir}: no EAGLE-3 head or draft LM weights there")
     rows = load_conversations(data)
     rows = random.Random(seed).sample(rows, min(conversations, len(rows)))
     dataset, _ = build_dataset([r["messages"] for r in rows], tokenizer, max_length=max_length, shuffle_seed=None,

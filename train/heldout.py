@@ -231,17 +231,18 @@ def estimate_tau(draft_dir: str | os.PathLike, heldout: str | os.PathLike, *, ta
     from train.ttt import (AcceptanceStats, draft_lm_hits, draft_targets, eagle3_hits, feature_fed_hits,
                            simulate_acceptance, ttt_loss)
 
+    from ssd_eagle.assets import DEFAULT_MODEL
+    from ssd_eagle.models.eagle3_formats import is_eagle3_head, load_eagle3
+
     draft_dir = Path(draft_dir)
     config = json.loads((draft_dir / "config.json").read_text())
-    is_eagle = "LlamaForCausalLMEagle3" in (config.get("architectures") or [])
-    from ssd_eagle.assets import DEFAULT_MODEL
+    is_eagle = is_eagle3_head(draft_dir)
 
     recorded = (config.get("ssd_eagle", {}).get("shared_from_target", {}) or {}).get("target")
     target_name = target or recorded or DEFAULT_MODEL
     torch_dtype = resolve_dtype(dtype, "cpu")
     target_model, tokenizer = load_model(target_name, dtype=torch_dtype)
     if is_eagle:
-        from ssd_eagle.models.eagle3_formats import load_eagle3
         head = load_eagle3(draft_dir, target_config=target_model.config, dtype=torch_dtype)
         head.set_embeddings(target_model.get_input_embeddings())
         aux_ids = head.config.aux_layer_ids

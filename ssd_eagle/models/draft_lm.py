@@ -31,6 +31,7 @@ DRAFT_VOCAB_KEY = "draft_vocab"  # ``ssd_eagle.draft_vocab`` in config.json: the
 # ``ssd_eagle.draft_temperature_scale`` in config.json (draft LMs and EAGLE-3 heads): the s of a sampled row's
 # q = softmax(z / (T s)) (:mod:`ssd_eagle.drafters.chain`), written by ``python -m train.calibrate``
 TEMPERATURE_SCALE_KEY = "draft_temperature_scale"
+MIN_TEMPERATURE_SCALE = 0.01  # below it softmax(z / (T s)) is a point mass, or overflows float32 logits
 
 
 def embedding_digest(weight: torch.Tensor) -> str:
@@ -72,18 +73,28 @@ def draft_vocab_ids(config) -> torch.Tensor | None:
     return ids
 
 
-def draft_temperature_scale(record: dict | None) -> float:
-    """The draft's temperature scale s recorded in a ``config.json``'s ``ssd_eagle`` block (1.0 when absent).
+def check_temperature_scale(value, where: str = "") -> float:
+    """``value`` as a draft temperature scale s: a finite number >= :data:`MIN_TEMPERATURE_SCALE`.
 
     Raises:
-        ValueError: a recorded s that is not a finite number > 0.
+        ValueError: anything else (the message names ``ssd_eagle.draft_temperature_scale`` and ``where``).
+    """
+    if isinstance(value, bool) or not isinstance(value, (int, float)) \
+            or not MIN_TEMPERATURE_SCALE <= value < float("inf"):
+        raise ValueError(f"{where + ': ' if where else ''}ssd_eagle.{TEMPERATURE_SCALE_KEY} must be a number >= "
+                         f"{MIN_TEMPERATURE_SCALE}, got {value!r}")
+    return float(value)
+
+
+def draft_temperature_scale(record: dict | None, where: str = "") -> float:
+    """The draft's temperature scale s recorded in a ``config.json``'s ``ssd_eagle`` block (1.0 when absent or
+    null).
+
+    Raises:
+        ValueError: a recorded s that :func:`check_temperature_scale` refuses.
     """
     value = (record or {}).get(TEMPERATURE_SCALE_KEY)
-    if value is None:
-        return 1.0
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 < value < float("inf"):
-        raise ValueError(f"ssd_eagle.{TEMPERATURE_SCALE_KEY} must be a number > 0, got {value!r}")
-    return float(value)
+    return 1.0 if value is None else check_temperature_scale(value, where)
 
 
 def check_target_embeddings(path: Path, shared: dict, target) -> None:
@@ -162,6 +173,7 @@ def load_draft_lm(path: str | os.PathLike, target=None, dtype: torch.dtype = tor
     for key in ("architectures", "model_type", "transformers_version", "torch_dtype", "dtype"):
         doc.pop(key, None)
     config = LlamaConfig(**doc)
+    draft_temperature_scale(record, str(path / "config.json"))  # (refused here, not where a backend is built)
     kept = {key: record[key] for key in (DRAFT_VOCAB_KEY, TEMPERATURE_SCALE_KEY) if key in record}
     if kept:
         config.ssd_eagle = kept

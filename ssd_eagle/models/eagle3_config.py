@@ -152,6 +152,10 @@ class Eagle3Config:
         if not 0 < self.draft_vocab_size <= self.vocab_size:
             raise ValueError(f"draft_vocab_size must be in [1, vocab_size={self.vocab_size}], "
                              f"got {self.draft_vocab_size}")
+        if self.draft_temperature_scale is not None:
+            from ssd_eagle.models.draft_lm import check_temperature_scale
+
+            self.draft_temperature_scale = check_temperature_scale(self.draft_temperature_scale)
 
     @property
     def dtype(self) -> torch.dtype:

@@ -267,6 +267,15 @@ def read_checkpoint_tensors(path: str | os.PathLike) -> dict[str, torch.Tensor]:
     raise FileNotFoundError(f"no model.safetensors, *.safetensors or pytorch_model.bin in {path}")
 
 
+def is_eagle3_head(path: str | os.PathLike) -> bool:
+    """Whether the folder ``path`` holds an EAGLE-3 head in a layout :func:`load_eagle3` reads (ours, the reference
+    ``LlamaForCausalLM`` / ``Eagle3LlamaForCausalLM`` ones, speculators): its weights include the fuse layer ``fc``
+    that maps the target's aux states, which no causal LM has."""
+    if not has_checkpoint(path):
+        return False
+    return "fc.weight" in {canonical_tensor_name(name) for name in read_checkpoint_tensors(path)}
+
+
 def canonical_tensor_name(name: str) -> str:
     """Map a public layout's tensor name to ours: strip a ``model.`` prefix (some SpecForge exports),
     ``layers.0.`` -> ``midlayer.`` (speculators), ``draft_id_to_target_id`` -> ``d2t`` (vLLM's name)."""
@@ -343,7 +352,8 @@ def eagle3_config_from_dict(cfg: dict, target_config=None, dtype_name: str | Non
         torch_dtype=dtype_name,
         saguaro_c=ssd.get("saguaro_c"),
         saguaro_fanout=ssd.get("saguaro_fanout"),
-        draft_temperature_scale=draft_temperature_scale(ssd) if TEMPERATURE_SCALE_KEY in ssd else None,
+        draft_temperature_scale=draft_temperature_scale(ssd, where) if ssd.get(TEMPERATURE_SCALE_KEY) is not None
+        else None,
         extra=dict(ssd.get("extra") or {}),
     )
 
