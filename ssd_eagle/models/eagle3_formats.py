@@ -34,7 +34,7 @@ from transformers import LlamaConfig
 
 from ssd_eagle.io import atomic_write
 from ssd_eagle.model_runner import default_aux_layer_ids
-from ssd_eagle.models.draft_lm import TEMPERATURE_SCALE_KEY, draft_temperature_scale
+from ssd_eagle.models.draft_lm import TEMPERATURE_SCALE_KEY
 from ssd_eagle.models.eagle3 import Eagle3DraftModel, check_vocab_mapping
 from ssd_eagle.models.eagle3_config import LLAMA_FIELDS, Eagle3Config, normalize_rope_parameters, text_config
 
@@ -352,8 +352,7 @@ def eagle3_config_from_dict(cfg: dict, target_config=None, dtype_name: str | Non
         torch_dtype=dtype_name,
         saguaro_c=ssd.get("saguaro_c"),
         saguaro_fanout=ssd.get("saguaro_fanout"),
-        draft_temperature_scale=draft_temperature_scale(ssd, where) if ssd.get(TEMPERATURE_SCALE_KEY) is not None
-        else None,
+        draft_temperature_scale=ssd.get(TEMPERATURE_SCALE_KEY),  # (checked by Eagle3Config; null: none)
         extra=dict(ssd.get("extra") or {}),
     )
 
